@@ -1,0 +1,629 @@
+"""Table stacking and MOD sharding: where every logical row lives.
+
+A *stack* is one physical array holding one or more logical tables that share
+an optimizer, a combiner and (after padding) a row width. The stack is split
+into `N = global_device_count * num_sc_per_device` shards, one per (virtual)
+SparseCore, and device `d` holds shards `d*S .. d*S+S-1` contiguously, so the
+global array `[N * V_shard, D]` is sharded over devices with
+`PartitionSpec(axis, None)`.
+
+Inside the stack, table `t` is padded to `padded_vocab_size` (a multiple of
+`8 * N`, so every shard gets a multiple of 8 rows) and to the stack's padded
+width, and occupies rows `[row_offset_in_shard, + padded_vocab_size / N)` of
+every shard. Its logical row `i` lives on shard `(i % N + shard_rotation) % N`
+at row `row_offset_in_shard + i // N` of that shard, i.e. at physical row::
+
+  ((i % N + rotation) % N) * V_shard + row_offset_in_shard + i // N
+
+Example (N = 4): tables `tb` (vocab 72) and `ta` (vocab 40) stacked in that
+order with rotation 1. `tb` pads to 96 rows (24 per shard, offset 0,
+rotation 0); `ta` pads to 64 (16 per shard, offset 24, rotation 1); each shard
+has `V_shard = 40` rows. Id 13 of `ta` goes to shard `(13 % 4 + 1) % 4 = 2`,
+row `24 + 13 // 4 = 27`, physical row `2 * 40 + 27 = 107`.
+
+Rotation spreads the small ids of several tables over different shards; by
+default table `k` of a stack is rotated by `k * num_sc_per_device`.
+
+Features follow the same bookkeeping on the sample axis: the features of a
+stack are concatenated in one global batch, feature `f` starting at
+`row_offset`; its ids are shifted by `col_offset = row_offset_in_shard * N`
+and rotated by `col_shift = shard_rotation`.
+
+All functions here return new specs; the arguments are never mutated.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from pz_sparsecore.specs import (
+  FeatureIdTransformation,
+  FeatureSpec,
+  StackedTableSpec,
+  TableSettingInStack,
+  TableSpec,
+)
+
+ROW_ALIGNMENT = 8
+DEFAULT_ACTIVATION_MEM_BYTES_LIMIT = 2 * 1024 * 1024
+_MAX_STACK_NAME_DISPLAY = 50
+_STACK_NAME_HASH_LENGTH = 12
+
+LimitsCallable = Callable[[str, int], int]
+
+
+def round_up(value: int, multiple: int) -> int:
+  """`value` rounded up to a multiple of `multiple`."""
+  return -(-value // multiple) * multiple
+
+
+def num_shards(global_device_count: int, num_sc_per_device: int) -> int:
+  """The number of table shards `N = devices x SparseCores`, validated.
+
+  Raises:
+    ValueError: If either count is not a positive integer or N is not a power
+      of two.
+  """
+  for name, value in (
+    ("global_device_count", global_device_count),
+    ("num_sc_per_device", num_sc_per_device),
+  ):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+      raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if value <= 0:
+      raise ValueError(f"{name} must be a positive integer, got {value!r}")
+  n = int(global_device_count) * int(num_sc_per_device)
+  if n & (n - 1):
+    raise ValueError(
+      f"devices x SparseCores must be a power of two, got "
+      f"{global_device_count} x {num_sc_per_device} = {n}"
+    )
+  return n
+
+
+def get_default_limits(name: str, batch_size: int) -> int:
+  """The default per-partition limit of a multi-table stack (256)."""
+  del name, batch_size
+  return 256
+
+
+def _feature_leaves(feature_specs: Any) -> list[FeatureSpec]:
+  leaves = jax.tree.leaves(feature_specs)
+  names = collections.Counter()
+  for leaf in leaves:
+    if not isinstance(leaf, FeatureSpec):
+      raise ValueError(
+        f"expected FeatureSpec leaves, got {type(leaf).__name__}"
+      )
+    names[leaf.name] += 1
+  repeated = [n for n, c in names.items() if c > 1]
+  if repeated:
+    raise ValueError(f"feature names must be unique; repeated: {repeated}")
+  return leaves
+
+
+def get_table_specs(feature_specs: Any) -> dict[str, TableSpec]:
+  """The tables of `feature_specs` by name, in first-appearance order.
+
+  Raises:
+    ValueError: If two different tables share a name.
+  """
+  tables: dict[str, TableSpec] = {}
+  for feature in _feature_leaves(feature_specs):
+    table = feature.table_spec
+    seen = tables.setdefault(table.name, table)
+    if seen != table:
+      raise ValueError(
+        f"table name {table.name!r} is used by two different TableSpecs "
+        f"(feature {feature.name!r})"
+      )
+  return tables
+
+
+def get_stacked_table_specs(feature_specs: Any) -> dict[str, StackedTableSpec]:
+  """The stacks of prepared `feature_specs` by stack name.
+
+  Raises:
+    ValueError: If the specs were not prepared for training.
+  """
+  stacks: dict[str, StackedTableSpec] = {}
+  for table in get_table_specs(feature_specs).values():
+    if table.stacked_table_spec is None:
+      raise ValueError(
+        f"table {table.name!r} is not prepared; call "
+        "prepare_feature_specs_for_training first"
+      )
+    stacks.setdefault(
+      table.stacked_table_spec.stack_name, table.stacked_table_spec
+    )
+  return stacks
+
+
+def get_table_stacks(feature_specs: Any) -> dict[str, list[TableSpec]]:
+  """The member tables of each stack, in row order inside the shards."""
+  stacks: dict[str, list[TableSpec]] = collections.defaultdict(list)
+  for table in get_table_specs(feature_specs).values():
+    stacks[table.setting_in_stack.stack_name].append(table)
+  return {
+    name: sorted(tables, key=lambda t: t.setting_in_stack.row_offset_in_shard)
+    for name, tables in stacks.items()
+  }
+
+
+def _stack_name(table_names: Sequence[str], use_short_stack_names: bool) -> str:
+  name = "_".join(table_names)
+  if not use_short_stack_names or len(name) <= _MAX_STACK_NAME_DISPLAY:
+    return name
+  digest = hashlib.sha256(name.encode("utf-8")).hexdigest()
+  return (
+    name[:_MAX_STACK_NAME_DISPLAY] + "..." + digest[:_STACK_NAME_HASH_LENGTH]
+  )
+
+
+def _replace_features(
+  feature_specs: Any,
+  tables: Mapping[str, TableSpec],
+  transformations: Mapping[str, FeatureIdTransformation],
+) -> Any:
+  """`feature_specs` with the given tables and id transformations swapped in."""
+
+  def update(feature: FeatureSpec) -> FeatureSpec:
+    if feature.table_spec.name not in tables:
+      return feature
+    return feature.replace(
+      table_spec=tables[feature.table_spec.name],
+      id_transformation=transformations[feature.name],
+    )
+
+  return jax.tree.map(update, feature_specs)
+
+
+def stack_tables(
+  feature_specs: Any,
+  table_names: Sequence[str],
+  global_device_count: int,
+  num_sc_per_device: int,
+  rotation: int | None = None,
+  stack_to_max_ids_per_partition: LimitsCallable = get_default_limits,
+  stack_to_max_unique_ids_per_partition: LimitsCallable = get_default_limits,
+  stack_name: str | None = None,
+  fail_on_excess_padding: bool = False,
+) -> Any:
+  """Stacks the named tables into one physical table.
+
+  Tables are laid out in the given order; table `k` is rotated by
+  `k * rotation mod N` (rotation defaults to `num_sc_per_device`). Features
+  of member tables, in pytree order, get consecutive sample offsets.
+
+  Args:
+    feature_specs: A pytree of `FeatureSpec`s.
+    table_names: The tables to stack, in layout order.
+    global_device_count: Devices the tables are sharded over.
+    num_sc_per_device: (Virtual) SparseCores per device.
+    rotation: Shard rotation step between consecutive tables.
+    stack_to_max_ids_per_partition: `(stack_name, sample_count) -> limit`,
+      used for stacks of several tables.
+    stack_to_max_unique_ids_per_partition: As above for unique ids.
+    stack_name: Name of the stack; defaults to the table names joined by "_".
+    fail_on_excess_padding: Raise if the members' padded widths differ.
+
+  Returns:
+    New feature specs with the stack filled in.
+
+  Raises:
+    ValueError: On unknown, repeated or already stacked tables, a used stack
+      name, or members with different optimizers or combiners.
+  """
+  n = num_shards(global_device_count, num_sc_per_device)
+  table_names = list(table_names)
+  if not table_names:
+    raise ValueError("stack_tables needs at least one table name")
+  stack_name = stack_name or _stack_name(table_names, True)
+  features = _feature_leaves(feature_specs)
+  tables = get_table_specs(feature_specs)
+  repeated = [t for t, c in collections.Counter(table_names).items() if c > 1]
+  if repeated:
+    raise ValueError(
+      f"table {repeated[0]!r} is repeated in stack {stack_name!r}"
+    )
+  for name in table_names:
+    if name not in tables:
+      raise ValueError(f"stack {stack_name!r}: unknown table {name!r}")
+    if tables[name].stacked_table_spec is not None:
+      raise ValueError(
+        f"table {name!r} is already stacked in "
+        f"{tables[name].setting_in_stack.stack_name!r}"
+      )
+  used = {
+    t.setting_in_stack.stack_name
+    for t in tables.values()
+    if t.stacked_table_spec is not None
+  }
+  if stack_name in used:
+    raise ValueError(f"stack name {stack_name!r} is already used")
+  first = tables[table_names[0]]
+  for name in table_names[1:]:
+    if tables[name].optimizer != first.optimizer:
+      raise ValueError(
+        f"tables {table_names} in stack {stack_name!r} have different "
+        "optimizers"
+      )
+    if tables[name].combiner != first.combiner:
+      raise ValueError(
+        f"tables {table_names} in stack {stack_name!r} have different combiners"
+      )
+
+  padded_dims = {
+    t: round_up(tables[t].embedding_dim, ROW_ALIGNMENT) for t in table_names
+  }
+  stack_dim = max(padded_dims.values())
+  if fail_on_excess_padding and len(set(padded_dims.values())) > 1:
+    raise ValueError(
+      f"stack {stack_name!r}: padded widths {padded_dims} differ; stack tables "
+      "whose widths round up to the same multiple of 8"
+    )
+  rotation = num_sc_per_device if rotation is None else rotation
+
+  settings: dict[str, TableSettingInStack] = {}
+  row_offset_in_shard = 0
+  for k, name in enumerate(table_names):
+    padded_vocab = round_up(tables[name].vocabulary_size, ROW_ALIGNMENT * n)
+    settings[name] = TableSettingInStack(
+      stack_name=stack_name,
+      padded_vocab_size=padded_vocab,
+      padded_embedding_dim=stack_dim,
+      row_offset_in_shard=row_offset_in_shard,
+      shard_rotation=(k * rotation) % n,
+    )
+    row_offset_in_shard += padded_vocab // n
+
+  transformations: dict[str, FeatureIdTransformation] = {}
+  sample_count = 0
+  for feature in features:
+    name = feature.table_spec.name
+    if name not in settings:
+      continue
+    transformations[feature.name] = FeatureIdTransformation(
+      row_offset=sample_count,
+      col_offset=settings[name].row_offset_in_shard * n,
+      col_shift=settings[name].shard_rotation,
+    )
+    sample_count += feature.sample_count
+  if sample_count == 0:
+    raise ValueError(f"stack {stack_name!r}: no feature uses its tables")
+
+  if len(table_names) == 1:
+    max_ids = first.max_ids_per_partition
+    max_unique = first.max_unique_ids_per_partition
+    suggested = first.suggested_coo_buffer_size_per_device
+  else:
+    max_ids = stack_to_max_ids_per_partition(stack_name, sample_count)
+    max_unique = stack_to_max_unique_ids_per_partition(stack_name, sample_count)
+    suggested = None
+  stacked = StackedTableSpec(
+    stack_name=stack_name,
+    stack_vocab_size=sum(s.padded_vocab_size for s in settings.values()),
+    stack_embedding_dim=stack_dim,
+    optimizer=first.optimizer,
+    combiner=first.combiner,
+    total_sample_count=sample_count,
+    max_ids_per_partition=max_ids,
+    max_unique_ids_per_partition=max_unique,
+    suggested_coo_buffer_size_per_device=suggested,
+  )
+  new_tables = {
+    name: tables[name].replace(
+      setting_in_stack=settings[name], stacked_table_spec=stacked
+    )
+    for name in table_names
+  }
+  return _replace_features(feature_specs, new_tables, transformations)
+
+
+def auto_stack_tables(
+  feature_specs: Any,
+  global_device_count: int,
+  num_sc_per_device: int,
+  rotation: int | None = None,
+  stack_to_max_ids_per_partition: LimitsCallable = get_default_limits,
+  stack_to_max_unique_ids_per_partition: LimitsCallable = get_default_limits,
+  *,
+  use_short_stack_names: bool = True,
+  activation_mem_bytes_limit: int = DEFAULT_ACTIVATION_MEM_BYTES_LIMIT,
+) -> Any:
+  """Stacks every group of compatible tables.
+
+  Tables (in first-appearance order) are grouped by padded width, optimizer
+  and combiner; each group is split greedily so that a stack's activation
+  memory per SparseCore (`padded_dim * samples / N * 4` bytes per table)
+  stays within `activation_mem_bytes_limit`. Each group becomes one stack.
+
+  Returns:
+    New feature specs (still to be passed to
+    `prepare_feature_specs_for_training`).
+  """
+  n = num_shards(global_device_count, num_sc_per_device)
+  features = _feature_leaves(feature_specs)
+  tables = get_table_specs(feature_specs)
+  samples: dict[str, int] = collections.Counter()
+  for feature in features:
+    samples[feature.table_spec.name] += feature.sample_count // n
+  groups: dict[tuple[Any, ...], list[str]] = {}
+  for name, table in tables.items():
+    if table.stacked_table_spec is not None:
+      continue
+    key = (
+      round_up(table.embedding_dim, ROW_ALIGNMENT),
+      table.optimizer,
+      table.combiner,
+    )
+    groups.setdefault(key, []).append(name)
+
+  def mem_bytes(name: str) -> int:
+    return (
+      round_up(tables[name].embedding_dim, ROW_ALIGNMENT) * samples[name] * 4
+    )
+
+  result = feature_specs
+  for group in groups.values():
+    split: list[list[str]] = []
+    for name in group:
+      for candidate in split:
+        total = sum(mem_bytes(t) for t in candidate) + mem_bytes(name)
+        if total <= activation_mem_bytes_limit:
+          candidate.append(name)
+          break
+      else:
+        split.append([name])
+    for stack in split:
+      result = stack_tables(
+        result,
+        stack,
+        global_device_count,
+        num_sc_per_device,
+        rotation=rotation,
+        stack_to_max_ids_per_partition=stack_to_max_ids_per_partition,
+        stack_to_max_unique_ids_per_partition=(
+          stack_to_max_unique_ids_per_partition
+        ),
+        stack_name=_stack_name(stack, use_short_stack_names),
+      )
+  return result
+
+
+def prepare_feature_specs_for_training(
+  feature_specs: Any, global_device_count: int, num_sc_per_device: int
+) -> Any:
+  """Fills in stacking for every table that is not stacked yet.
+
+  Each unstacked table becomes a one-table stack named after it. Features
+  sharing such a table are ordered by feature name and get consecutive
+  sample offsets. Tables already stacked are checked against the topology.
+
+  Args:
+    feature_specs: A pytree of `FeatureSpec`s.
+    global_device_count: Devices the tables are sharded over.
+    num_sc_per_device: (Virtual) SparseCores per device.
+
+  Returns:
+    New feature specs, ready for preprocessing.
+
+  Raises:
+    ValueError: On a bad topology, duplicate names, or stacks prepared for a
+      different number of shards.
+  """
+  n = num_shards(global_device_count, num_sc_per_device)
+  features = _feature_leaves(feature_specs)
+  tables = get_table_specs(feature_specs)
+  by_table: dict[str, list[FeatureSpec]] = collections.defaultdict(list)
+  for feature in features:
+    by_table[feature.table_spec.name].append(feature)
+
+  new_tables: dict[str, TableSpec] = {}
+  transformations: dict[str, FeatureIdTransformation] = {}
+  for name, table in tables.items():
+    if table.stacked_table_spec is not None:
+      padded = table.setting_in_stack.padded_vocab_size
+      if padded % (ROW_ALIGNMENT * n):
+        raise ValueError(
+          f"table {name!r} was stacked for another topology: padded vocab "
+          f"{padded} is not a multiple of 8 x {n} shards"
+        )
+      continue
+    members = sorted(by_table[name], key=lambda f: f.name)
+    sample_count = 0
+    for feature in members:
+      transformations[feature.name] = FeatureIdTransformation(
+        row_offset=sample_count
+      )
+      sample_count += feature.sample_count
+    padded_vocab = round_up(table.vocabulary_size, ROW_ALIGNMENT * n)
+    padded_dim = round_up(table.embedding_dim, ROW_ALIGNMENT)
+    stacked = StackedTableSpec(
+      stack_name=name,
+      stack_vocab_size=padded_vocab,
+      stack_embedding_dim=padded_dim,
+      optimizer=table.optimizer,
+      combiner=table.combiner,
+      total_sample_count=sample_count,
+      max_ids_per_partition=table.max_ids_per_partition,
+      max_unique_ids_per_partition=table.max_unique_ids_per_partition,
+      suggested_coo_buffer_size_per_device=(
+        table.suggested_coo_buffer_size_per_device
+      ),
+    )
+    new_tables[name] = table.replace(
+      setting_in_stack=TableSettingInStack(
+        stack_name=name,
+        padded_vocab_size=padded_vocab,
+        padded_embedding_dim=padded_dim,
+      ),
+      stacked_table_spec=stacked,
+    )
+  return _replace_features(feature_specs, new_tables, transformations)
+
+
+# ---------------------------------------------------------------------------
+# Logical <-> physical rows and tables.
+
+
+def _table_list(table_specs: Any) -> list[TableSpec]:
+  """Unique `TableSpec`s from a pytree of table or feature specs."""
+  seen: dict[str, TableSpec] = {}
+  for leaf in jax.tree.leaves(table_specs):
+    table = leaf.table_spec if isinstance(leaf, FeatureSpec) else leaf
+    if not isinstance(table, TableSpec):
+      raise ValueError(f"expected TableSpec leaves, got {type(leaf).__name__}")
+    if table.stacked_table_spec is None:
+      raise ValueError(
+        f"table {table.name!r} is not prepared; call "
+        "prepare_feature_specs_for_training first"
+      )
+    seen.setdefault(table.name, table)
+  return list(seen.values())
+
+
+def physical_row_ids(
+  table_spec: TableSpec, ids: np.ndarray, num_shards: int
+) -> np.ndarray:
+  """Flat physical rows `[N * V_shard]` of logical rows `ids` of a table.
+
+  Raises:
+    ValueError: If an id is outside `[0, vocabulary_size)`.
+  """
+  ids = np.asarray(ids)
+  vocab = table_spec.vocabulary_size
+  if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+    bad = ids[(ids < 0) | (ids >= vocab)].flat[0]
+    raise ValueError(
+      f"table {table_spec.name!r}: row {int(bad)} outside [0, {vocab})"
+    )
+  setting = table_spec.setting_in_stack
+  v_shard = table_spec.stacked_table_spec.stack_vocab_size // num_shards
+  shard = (ids % num_shards + setting.shard_rotation) % num_shards
+  return shard * v_shard + setting.row_offset_in_shard + ids // num_shards
+
+
+def stack_and_shard_tables(
+  table_specs: Any,
+  tables: Mapping[str, Any],
+  num_shards: int,
+  pad_value: float = np.nan,
+) -> dict[str, Any]:
+  """Logical tables → stacked, MOD-sharded physical tables.
+
+  Args:
+    table_specs: A pytree of prepared `TableSpec`s (or `FeatureSpec`s).
+    tables: Table name → `[vocab, dim]` array (or a pytree of such arrays,
+      e.g. slots); every table of a stack must be given.
+    num_shards: N = devices x SparseCores.
+    pad_value: Value of padding rows and columns.
+
+  Returns:
+    Stack name → `[N, V_shard, D]` float32 numpy array (or pytree thereof).
+
+  Raises:
+    ValueError: On a missing table or a shape mismatch.
+  """
+  stacks: dict[str, list[TableSpec]] = collections.defaultdict(list)
+  for table in _table_list(table_specs):
+    stacks[table.stacked_table_spec.stack_name].append(table)
+  out: dict[str, Any] = {}
+  for stack_name, members in stacks.items():
+    stacked_spec = members[0].stacked_table_spec
+    v_shard = stacked_spec.stack_vocab_size // num_shards
+    dim = stacked_spec.stack_embedding_dim
+    for table in members:
+      if table.name not in tables:
+        raise ValueError(f"stack {stack_name!r}: table {table.name!r} missing")
+    structure = jax.tree.structure(tables[members[0].name])
+
+    def stack_leaves(*leaves, members=members, v_shard=v_shard, dim=dim):
+      stacked = np.full((num_shards, v_shard, dim), pad_value, np.float32)
+      for table, values in zip(members, leaves, strict=True):
+        values = np.asarray(values, dtype=np.float32)
+        expected = (table.vocabulary_size, table.embedding_dim)
+        if values.shape != expected:
+          raise ValueError(
+            f"table {table.name!r}: expected shape {expected}, got "
+            f"{values.shape}"
+          )
+        setting = table.setting_in_stack
+        rows = setting.padded_vocab_size // num_shards
+        padded = np.full(
+          (setting.padded_vocab_size, dim), pad_value, np.float32
+        )
+        padded[: expected[0], : expected[1]] = values
+        sharded = padded.reshape(rows, num_shards, dim).swapaxes(0, 1)
+        sharded = np.roll(sharded, setting.shard_rotation, axis=0)
+        offset = setting.row_offset_in_shard
+        stacked[:, offset : offset + rows] = sharded
+      return stacked
+
+    member_trees = [tables[t.name] for t in members]
+    for table, tree in zip(members, member_trees, strict=True):
+      if jax.tree.structure(tree) != structure:
+        raise ValueError(
+          f"stack {stack_name!r}: table {table.name!r} has a different "
+          "structure from its stack mates"
+        )
+    out[stack_name] = jax.tree.map(stack_leaves, *member_trees)
+  return out
+
+
+def unshard_and_unstack_tables(
+  table_specs: Any, stacked_tables: Mapping[str, Any], num_shards: int
+) -> dict[str, Any]:
+  """Stacked physical tables → logical tables; the inverse of stacking.
+
+  Args:
+    table_specs: A pytree of prepared `TableSpec`s (or `FeatureSpec`s).
+    stacked_tables: Stack name → `[N, V_shard, D]` or `[N * V_shard, D]`
+      array (or a pytree of such arrays).
+    num_shards: N = devices x SparseCores.
+
+  Returns:
+    Table name → `[vocab, dim]` numpy array (or pytree thereof).
+
+  Raises:
+    ValueError: On a missing stack or a shape mismatch.
+  """
+  out: dict[str, Any] = {}
+  for table in _table_list(table_specs):
+    stacked_spec = table.stacked_table_spec
+    stack_name = stacked_spec.stack_name
+    if stack_name not in stacked_tables:
+      raise ValueError(f"table {table.name!r}: stack {stack_name!r} missing")
+    out[table.name] = jax.tree.map(
+      lambda leaf, table=table: _unstack_leaf(table, leaf, num_shards),
+      stacked_tables[stack_name],
+    )
+  return out
+
+
+def _unstack_leaf(table: TableSpec, stacked: Any, n: int) -> np.ndarray:
+  """One logical table out of one stacked array."""
+  stacked_spec = table.stacked_table_spec
+  stacked = np.asarray(stacked)
+  dim = stacked_spec.stack_embedding_dim
+  if stacked.size != stacked_spec.stack_vocab_size * dim:
+    raise ValueError(
+      f"stack {stacked_spec.stack_name!r}: expected "
+      f"{stacked_spec.stack_vocab_size} x {dim} values, got shape "
+      f"{stacked.shape}"
+    )
+  setting = table.setting_in_stack
+  rows = setting.padded_vocab_size // n
+  stacked = stacked.reshape(n, -1, dim)
+  offset = setting.row_offset_in_shard
+  values = np.roll(
+    stacked[:, offset : offset + rows], -setting.shard_rotation, 0
+  )
+  values = values.swapaxes(0, 1).reshape(-1, dim)
+  return values[: table.vocabulary_size, : table.embedding_dim].copy()
