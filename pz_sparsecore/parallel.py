@@ -1,0 +1,433 @@
+"""Lookup and fused update of row-sharded stacks over a device mesh.
+
+Every stack is one physical array `[N, V_shard, D]` (N = G devices x S
+SparseCores) sharded over one mesh axis, the *sharding axis*: device `d`
+holds shards (partitions) `d*S .. d*S+S-1`. Each device also holds its own
+slice of the batch, preprocessed into S segments of CSR-wrapped COO buffers
+whose partitions `p` are in order, so the entries for the S partitions owned
+by device `q` are contiguous in every segment.
+
+Forward, per device, under `shard_map`:
+
+1. *Route.* In each of its S segments the device cuts, for every owner `q`,
+   the window that starts at the (8-aligned) start of partition `q*S` and is
+   `W = S * r8(max_ids_per_partition)` entries long, the most those S
+   partitions can hold. The windows and their S row pointers (rebased to the
+   window start) go to their owners in one `all_to_all` per buffer.
+2. *Look up.* The owner runs the FFI kernel over the `G*S` received windows
+   against its own S shards, producing partial activations for every source
+   device's samples: `[G, S*B_sc, D]`.
+3. *Return.* A second `all_to_all` sends each source its partials; the
+   source sums the G contributions into its `[S*B_sc, D]` activations and
+   slices out each feature (its `n_f` samples at offset `row_offset / N` of
+   every SparseCore block, its first `dim_f` columns).
+
+Backward (the fused update), per device: the activation gradients of every
+device are gathered (`all_gather`, `[G*S*B_sc, D]`, the same order as the
+received windows), the windows are routed again, and the FFI backward sums
+every referenced row's gradient over all windows and applies the optimizer
+once to the row and its slots, in place. The full table never leaves its
+devices; a step moves O(ids + batch x dim x G) values.
+
+With one device all of this collapses to one local kernel call.
+
+Example: G = 2, S = 1, max_ids = 8 (W = 8). Device 0's segment holds
+partition 0 in `[0, 3)` and partition 1 in `[8, 10)`: its window for device
+0 is entries `[0, 8)` with row pointer `[3]`, for device 1 entries `[8, 16)`
+with row pointer `[2]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pz_sparsecore import kernels, layout
+from pz_sparsecore.preprocess import (
+  PAD_ID,
+  PreprocessedInput,
+  compute_coo_buffer_size_per_device,
+  compute_row_pointers_size_per_device,
+)
+from pz_sparsecore.specs import OptimizerSpec
+
+
+class TableGradientError(ValueError):
+  """A dense gradient was requested for a SparseCore table."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FeaturePlan:
+  """Where one feature's samples sit in its stack's activations.
+
+  Attributes:
+    name: Feature name.
+    offset: First SparseCore-local sample (`row_offset / N`).
+    samples_per_sc: `n_f`, the feature's samples per SparseCore.
+    dim: The feature's output width.
+    output_shape: The feature's global `output_shape`.
+  """
+
+  name: str
+  offset: int
+  samples_per_sc: int
+  dim: int
+  output_shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StackPlan:
+  """Static shapes of one stack on a topology."""
+
+  name: str
+  rows_per_shard: int
+  dim: int
+  samples_per_sc: int
+  row_pointers_per_sc: int
+  coo_per_sc: int
+  window: int
+  optimizer: OptimizerSpec
+  features: tuple[FeaturePlan, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  """A mesh, the axis tables are sharded over, and SparseCores per device."""
+
+  mesh: Mesh
+  axis: str
+  num_sc_per_device: int
+
+  def __post_init__(self):
+    if self.axis not in self.mesh.axis_names:
+      raise ValueError(
+        f"sharding axis {self.axis!r} is not an axis of the mesh "
+        f"{tuple(self.mesh.axis_names)}"
+      )
+    layout.num_shards(self.num_devices, self.num_sc_per_device)
+
+  @property
+  def num_devices(self) -> int:
+    """G: devices along the sharding axis."""
+    return int(self.mesh.shape[self.axis])
+
+  @property
+  def num_shards(self) -> int:
+    """N = G x S."""
+    return self.num_devices * self.num_sc_per_device
+
+  def sharding(self, ndim: int) -> NamedSharding:
+    """Leading axis over the sharding axis, the rest replicated."""
+    return NamedSharding(self.mesh, P(self.axis, *([None] * (ndim - 1))))
+
+
+def plan_stacks(
+  feature_specs: Any, topology: Topology
+) -> tuple[StackPlan, ...]:
+  """The static plan of every stack of prepared `feature_specs`."""
+  g, s, n = (
+    topology.num_devices,
+    topology.num_sc_per_device,
+    topology.num_shards,
+  )
+  coo = compute_coo_buffer_size_per_device(feature_specs, g, s)
+  row_pointers = compute_row_pointers_size_per_device(g, s)
+  by_stack: dict[str, list] = {}
+  for feature in jax.tree.leaves(feature_specs):
+    by_stack.setdefault(
+      feature.table_spec.stacked_table_spec.stack_name, []
+    ).append(feature)
+  plans = []
+  for name, stacked in layout.get_stacked_table_specs(feature_specs).items():
+    features = sorted(
+      by_stack[name], key=lambda f: f.id_transformation.row_offset
+    )
+    plans.append(
+      StackPlan(
+        name=name,
+        rows_per_shard=stacked.stack_vocab_size // n,
+        dim=stacked.stack_embedding_dim,
+        samples_per_sc=stacked.total_sample_count // n,
+        row_pointers_per_sc=row_pointers // s,
+        coo_per_sc=coo[name] // s,
+        window=s * layout.round_up(stacked.max_ids_per_partition, 8),
+        optimizer=stacked.optimizer,
+        features=tuple(
+          FeaturePlan(
+            name=f.name,
+            offset=f.id_transformation.row_offset // n,
+            samples_per_sc=f.sample_count // n,
+            dim=f.output_shape[-1],
+            output_shape=tuple(f.output_shape),
+          )
+          for f in features
+        ),
+      )
+    )
+  return tuple(plans)
+
+
+# ---------------------------------------------------------------------------
+# Per-device pieces (run inside shard_map).
+
+
+def _route(plan: StackPlan, topo: Topology, rp, ids, sids, gains):
+  """Sends every owner its windows; returns the received `G*S` windows."""
+  g, s = topo.num_devices, topo.num_sc_per_device
+  n, w, c = topo.num_shards, plan.window, plan.coo_per_sc
+  ends = rp.reshape(s, plan.row_pointers_per_sc)[:, :n]
+  aligned = (ends[:, :-1] + 7) // 8 * 8
+  starts = jnp.concatenate([jnp.zeros((s, 1), ends.dtype), aligned], axis=1)
+  window_start = starts[:, ::s]  # [S, G]: start of partition q*S.
+  pointers = ends.reshape(s, g, s) - window_start[:, :, None]
+  index = (
+    jnp.arange(s, dtype=jnp.int32)[:, None, None] * (c + w)
+    + window_start[:, :, None]
+    + jnp.arange(w, dtype=jnp.int32)
+  )
+
+  def windows(buf, fill):
+    padded = jnp.concatenate(
+      [buf.reshape(s, c), jnp.full((s, w), fill, buf.dtype)], axis=1
+    )
+    return jnp.take(padded.reshape(-1), index).swapaxes(0, 1)  # [G, S, W]
+
+  send = (
+    pointers.swapaxes(0, 1),
+    windows(ids, PAD_ID),
+    windows(sids, PAD_ID),
+    windows(gains, np.nan),
+  )
+  return tuple(
+    jax.lax.all_to_all(x, topo.axis, 0, 0, tiled=True).reshape(-1) for x in send
+  )
+
+
+def _kernel_layout(plan: StackPlan, topo: Topology) -> dict[str, int]:
+  g, s = topo.num_devices, topo.num_sc_per_device
+  return dict(
+    num_segments=s if g == 1 else g * s,
+    samples_per_segment=plan.samples_per_sc,
+    num_partitions=topo.num_shards if g == 1 else s,
+    rows_per_partition=plan.rows_per_shard,
+  )
+
+
+def _buffers(plan, topo, rp, ids, sids, gains):
+  if topo.num_devices == 1:
+    return rp, ids, sids, gains
+  return _route(plan, topo, rp, ids, sids, gains)
+
+
+def _local_lookup(plan: StackPlan, topo: Topology, table, rp, ids, sids, gains):
+  s, b = topo.num_sc_per_device, plan.samples_per_sc
+  flat = table.reshape(-1, plan.dim)
+  buffers = _buffers(plan, topo, rp, ids, sids, gains)
+  acts = kernels.sparse_dense_matmul(
+    *buffers, flat, **_kernel_layout(plan, topo)
+  )
+  if topo.num_devices > 1:
+    partial = acts.reshape(topo.num_devices, s * b, plan.dim)
+    acts = jax.lax.all_to_all(partial, topo.axis, 0, 0, tiled=True).sum(0)
+  acts = acts.reshape(s, b, plan.dim)
+  return {
+    f.name: acts[:, f.offset : f.offset + f.samples_per_sc, : f.dim].reshape(
+      -1, f.dim
+    )
+    for f in plan.features
+  }
+
+
+def _local_update(
+  plan: StackPlan, topo: Topology, table, slots, rp, ids, sids, gains, grads, hp
+):
+  s = topo.num_sc_per_device
+  parts = []
+  for f in plan.features:
+    grad = grads[f.name].reshape(s, f.samples_per_sc, f.dim)
+    parts.append(jnp.pad(grad, ((0, 0), (0, 0), (0, plan.dim - f.dim))))
+  stacked = jnp.concatenate(parts, axis=1).reshape(-1, plan.dim)
+  if topo.num_devices > 1:
+    stacked = jax.lax.all_gather(stacked, topo.axis, axis=0, tiled=True)
+  buffers = _buffers(plan, topo, rp, ids, sids, gains)
+  shape = table.shape
+  new_table, new_slots = kernels.sparse_dense_matmul_grad(
+    stacked,
+    *buffers,
+    table.reshape(-1, plan.dim),
+    tuple(x.reshape(-1, plan.dim) for x in slots),
+    optimizer=plan.optimizer.short_name(),
+    hyperparameters=hp,
+    multiply_linear_by_learning_rate=getattr(
+      plan.optimizer, "multiply_linear_by_learning_rate", False
+    ),
+    **_kernel_layout(plan, topo),
+  )
+  return new_table.reshape(shape), tuple(x.reshape(shape) for x in new_slots)
+
+
+# ---------------------------------------------------------------------------
+# Global entry points.
+
+
+def _input_specs(topo: Topology, inputs: PreprocessedInput):
+  return jax.tree.map(lambda _: P(topo.axis), inputs)
+
+
+def _lookup_impl(static, tables, inputs):
+  plans, topo = static
+
+  def body(tables, inputs):
+    out = {}
+    for plan in plans:
+      out.update(
+        _local_lookup(
+          plan,
+          topo,
+          tables[plan.name],
+          inputs.lhs_row_pointers[plan.name],
+          inputs.lhs_embedding_ids[plan.name],
+          inputs.lhs_sample_ids[plan.name],
+          inputs.lhs_gains[plan.name],
+        )
+      )
+    return out
+
+  names = [f.name for plan in plans for f in plan.features]
+  return jax.shard_map(
+    body,
+    mesh=topo.mesh,
+    in_specs=(
+      {plan.name: P(topo.axis) for plan in plans},
+      _input_specs(topo, inputs),
+    ),
+    out_specs={name: P(topo.axis) for name in names},
+    check_vma=False,
+  )(tables, inputs)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _lookup(static, tables, inputs):
+  return _lookup_impl(static, tables, inputs)
+
+
+@functools.partial(_lookup.defjvp, symbolic_zeros=True)
+def _lookup_jvp(static, primals, tangents):
+  tables, inputs = primals
+  for tangent in jax.tree.leaves(tangents[0]):
+    if not isinstance(tangent, jax.custom_derivatives.SymbolicZero):
+      raise TableGradientError(
+        "SparseCoreEmbed tables never take a dense gradient: differentiate "
+        "with respect to the activations and apply the fused update "
+        "(SparseCoreTrainer, or SparseCoreEmbed.apply_gradients); do not "
+        "pass table parameters to jax.grad or an optax optimizer"
+      )
+  out = _lookup_impl(static, tables, inputs)
+  return out, jax.tree.map(jnp.zeros_like, out)
+
+
+def lookup(
+  plans: tuple[StackPlan, ...],
+  topology: Topology,
+  tables: dict[str, jax.Array],
+  inputs: PreprocessedInput,
+) -> dict[str, jax.Array]:
+  """Activations of every feature, `[samples_f, dim_f]`, sharded on batch.
+
+  Args:
+    plans: `plan_stacks(...)` for the layer's specs and topology.
+    topology: Mesh, sharding axis, SparseCores per device.
+    tables: Stack name → `[N, V_shard, D]` float32, sharded over the axis.
+    inputs: Flat buffers (`has_leading_dimension=False`), `[G * size]`,
+      sharded over the axis.
+
+  Returns:
+    Feature name → float32 `[global samples, dim]`, in global sample order.
+
+  Raises:
+    TableGradientError: If differentiated with respect to the tables.
+  """
+  return _lookup((plans, topology), tables, inputs)
+
+
+def apply_gradients(
+  plans: tuple[StackPlan, ...],
+  topology: Topology,
+  tables: dict[str, jax.Array],
+  slots: dict[str, tuple[jax.Array, ...]],
+  inputs: PreprocessedInput,
+  activation_grads: dict[str, jax.Array],
+  step: jax.Array | int,
+) -> tuple[dict[str, jax.Array], dict[str, tuple[jax.Array, ...]]]:
+  """Fused backward + optimizer update of every stack, on its own shards.
+
+  Each referenced row's gradient is summed over every sample of every
+  device before the stack's optimizer runs once on the row and its slots.
+  The kernels update in place: donate `tables` and `slots` (e.g.
+  `jax.jit(..., donate_argnums=...)`) or XLA copies them first.
+
+  Args:
+    plans: `plan_stacks(...)`.
+    topology: Mesh, sharding axis, SparseCores per device.
+    tables: Stack name → `[N, V_shard, D]`.
+    slots: Stack name → the optimizer's slots, each shaped like the table.
+    inputs: The buffers the activations were looked up with.
+    activation_grads: Feature name → `[samples_f, dim_f]` gradient of the
+      loss with respect to the feature's activations.
+    step: The training step (0-based), for step-dependent optimizers.
+
+  Returns:
+    `(new_tables, new_slots)`.
+  """
+  hyper = {
+    plan.name: jnp.stack(
+      [
+        jnp.asarray(h, jnp.float32)
+        for h in plan.optimizer.get_hyperparameters(step)
+      ]
+    )
+    for plan in plans
+  }
+
+  def body(tables, slots, inputs, grads, hyper):
+    new_tables, new_slots = {}, {}
+    for plan in plans:
+      new_tables[plan.name], new_slots[plan.name] = _local_update(
+        plan,
+        topology,
+        tables[plan.name],
+        slots[plan.name],
+        inputs.lhs_row_pointers[plan.name],
+        inputs.lhs_embedding_ids[plan.name],
+        inputs.lhs_sample_ids[plan.name],
+        inputs.lhs_gains[plan.name],
+        grads,
+        hyper[plan.name],
+      )
+    return new_tables, new_slots
+
+  axis = P(topology.axis)
+  table_specs = {plan.name: axis for plan in plans}
+  slot_specs = {
+    plan.name: tuple(axis for _ in slots[plan.name]) for plan in plans
+  }
+  return jax.shard_map(
+    body,
+    mesh=topology.mesh,
+    in_specs=(
+      table_specs,
+      slot_specs,
+      _input_specs(topology, inputs),
+      {name: axis for name in activation_grads},
+      {plan.name: P() for plan in plans},
+    ),
+    out_specs=(table_specs, slot_specs),
+    check_vma=False,
+  )(tables, slots, inputs, activation_grads, hyper)
