@@ -425,9 +425,20 @@ def prepare_feature_specs_for_training(
   for feature in features:
     by_table[feature.table_spec.name].append(feature)
 
+  stacked_names = {
+    t.setting_in_stack.stack_name
+    for t in tables.values()
+    if t.stacked_table_spec is not None
+  }
   new_tables: dict[str, TableSpec] = {}
   transformations: dict[str, FeatureIdTransformation] = {}
   for name, table in tables.items():
+    if table.stacked_table_spec is None and name in stacked_names:
+      raise ValueError(
+        f"table {name!r} would become a one-table stack named {name!r}, but "
+        "a stack of other tables already has that name; pass another "
+        "stack_name to stack_tables"
+      )
     if table.stacked_table_spec is not None:
       padded = table.setting_in_stack.padded_vocab_size
       if padded % (ROW_ALIGNMENT * n):

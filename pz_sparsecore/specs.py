@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -57,7 +58,11 @@ LearningRate = float | Callable[..., Any]
 
 
 def _check_positive_int(owner: str, field: str, value: Any) -> None:
-  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+  if (
+    isinstance(value, bool)
+    or not isinstance(value, numbers.Integral)
+    or value <= 0
+  ):
     raise ValueError(
       f"{owner}: {field} must be a positive integer, got {value!r}"
     )
