@@ -190,6 +190,8 @@ def update_preprocessing_parameters(
   feature_specs: Any,
   stats: SparseDenseMatmulInputStats,
   num_sc_per_device: int,
+  *,
+  global_device_count: int | None = None,
 ) -> Any:
   """New feature specs whose stack limits match the observed statistics.
 
@@ -203,6 +205,9 @@ def update_preprocessing_parameters(
     feature_specs: Prepared feature specs.
     stats: Observed statistics (e.g. `FDOClient.load()`).
     num_sc_per_device: SparseCores per device.
+    global_device_count: If given, the suggested buffer is capped at the
+      theoretical maximum `r8(max_ids) * S * N` the new limits allow (a
+      buffer above it would be rejected by the preprocessor).
 
   Returns:
     New feature specs; the arguments are unchanged.
@@ -221,18 +226,22 @@ def update_preprocessing_parameters(
   new_stacks = {}
   for name, spec in stacks.items():
     required = observed("required_buffer_size_per_sc", name, None)
+    max_ids = observed(
+      "max_ids_per_partition", name, spec.max_ids_per_partition
+    )
+    suggested = spec.suggested_coo_buffer_size_per_device
+    if required is not None:
+      suggested = required * num_sc_per_device
+      if global_device_count is not None:
+        n = layout.num_shards(global_device_count, num_sc_per_device)
+        cap = layout.round_up(max_ids, layout.ROW_ALIGNMENT) * n
+        suggested = min(suggested, cap * num_sc_per_device)
     new_stacks[name] = spec.replace(
-      max_ids_per_partition=observed(
-        "max_ids_per_partition", name, spec.max_ids_per_partition
-      ),
+      max_ids_per_partition=max_ids,
       max_unique_ids_per_partition=observed(
         "max_unique_ids_per_partition", name, spec.max_unique_ids_per_partition
       ),
-      suggested_coo_buffer_size_per_device=(
-        spec.suggested_coo_buffer_size_per_device
-        if required is None
-        else required * num_sc_per_device
-      ),
+      suggested_coo_buffer_size_per_device=suggested,
     )
 
   def update(feature):
@@ -243,3 +252,32 @@ def update_preprocessing_parameters(
     )
 
   return jax.tree.map(update, feature_specs)
+
+
+def scale_stats(
+  stats: SparseDenseMatmulInputStats, factor: float
+) -> SparseDenseMatmulInputStats:
+  """Statistics with every count scaled by `factor` (rounded up): headroom.
+
+  `update_preprocessing_parameters` sets the limits to exactly the observed
+  maxima, so the next batch with a slightly busier partition would exceed
+  them; scaling first (e.g. by 1.25) leaves room.
+
+  Raises:
+    ValueError: If `factor` is below 1.
+  """
+  if not factor >= 1.0:
+    raise ValueError(f"headroom factor must be >= 1, got {factor}")
+
+  def scale(values: dict[str, Any]) -> dict[str, Any]:
+    return {
+      k: np.ceil(np.asarray(v, np.float64) * factor).astype(np.int64)
+      for k, v in values.items()
+    }
+
+  return SparseDenseMatmulInputStats(
+    max_ids_per_partition=scale(stats.max_ids_per_partition),
+    max_unique_ids_per_partition=scale(stats.max_unique_ids_per_partition),
+    required_buffer_size_per_sc=scale(stats.required_buffer_size_per_sc),
+    id_drop_counters=dict(stats.id_drop_counters),
+  )

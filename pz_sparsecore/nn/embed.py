@@ -643,8 +643,8 @@ class SparseCoreEmbed(pz.nn.Layer):
       raise ValueError("new feature specs have a different structure")
     new_stacks = layout.get_stacked_table_specs(prepared)
     limits = dict(
-      max_ids_per_partition=0,
-      max_unique_ids_per_partition=0,
+      max_ids_per_partition=1,
+      max_unique_ids_per_partition=1,
       suggested_coo_buffer_size_per_device=None,
     )
     for stack, spec in self.config.stacks.items():

@@ -1,0 +1,120 @@
+"""Command line: `python -m pz_sparsecore shakespeare [options]`.
+
+Trains the Shakespeare next-word model on a mesh of virtual CPU devices and
+optionally writes an HTML report. JAX is imported only after the arguments
+are checked, so `--devices` can set the number of virtual devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+from pz_sparsecore.models.shakespeare_config import OPTIMIZER_NAMES, RunConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+    prog="python -m pz_sparsecore",
+    description="SparseCore-style embeddings for Penzai.",
+  )
+  commands = parser.add_subparsers(dest="command", required=True)
+  shakespeare = commands.add_parser(
+    "shakespeare",
+    help="train a next-word model on Shakespeare with a sharded embedding",
+  )
+  defaults = RunConfig()
+  shakespeare.add_argument("--devices", type=int, default=defaults.devices)
+  shakespeare.add_argument(
+    "--sc-per-device", type=int, default=defaults.sc_per_device
+  )
+  shakespeare.add_argument("--steps", type=int, default=defaults.steps)
+  shakespeare.add_argument("--vocab", type=int, default=defaults.vocab)
+  shakespeare.add_argument("--seq-len", type=int, default=defaults.seq_len)
+  shakespeare.add_argument(
+    "--batch-size", type=int, default=defaults.batch_size
+  )
+  shakespeare.add_argument(
+    "--optimizer", choices=OPTIMIZER_NAMES, default=defaults.optimizer
+  )
+  shakespeare.add_argument(
+    "--fdo-every",
+    type=int,
+    default=defaults.fdo_every,
+    help="refresh the preprocessing limits from FDO stats every K steps "
+    "(0: never)",
+  )
+  shakespeare.add_argument("--seed", type=int, default=defaults.seed)
+  shakespeare.add_argument("--report", metavar="DIR", default=None)
+  shakespeare.add_argument(
+    "--no-progress", action="store_true", help="hide the progress bar"
+  )
+  return parser
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  positive = ("devices", "sc_per_device", "steps", "seq_len", "batch_size")
+  for name in positive:
+    if getattr(args, name) < 1:
+      parser.error(f"--{name.replace('_', '-')} must be at least 1")
+  if args.vocab < 2:
+    parser.error("--vocab must be at least 2")
+  if args.fdo_every < 0:
+    parser.error("--fdo-every must be 0 (off) or positive")
+  shards = args.devices * args.sc_per_device
+  if shards & (shards - 1):
+    parser.error(
+      f"--devices x --sc-per-device must be a power of two, got {shards}"
+    )
+  if (args.batch_size * args.seq_len) % shards:
+    parser.error(
+      f"--batch-size x --seq-len ({args.batch_size * args.seq_len}) must "
+      f"divide over {shards} shards"
+    )
+  if args.batch_size % args.devices:
+    parser.error(
+      f"--batch-size {args.batch_size} must divide over {args.devices} devices"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Entry point; returns the process exit code."""
+  parser = _parser()
+  args = parser.parse_args(argv)
+  _check(parser, args)
+  flag = f"--xla_force_host_platform_device_count={args.devices}"
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+
+  from pz_sparsecore.models import shakespeare
+
+  config = RunConfig(
+    devices=args.devices,
+    sc_per_device=args.sc_per_device,
+    steps=args.steps,
+    vocab=args.vocab,
+    seq_len=args.seq_len,
+    batch_size=args.batch_size,
+    optimizer=args.optimizer,
+    fdo_every=args.fdo_every,
+    seed=args.seed,
+  )
+  with tempfile.TemporaryDirectory() as scratch:
+    fdo_dir = os.path.join(args.report, "fdo") if args.report else scratch
+    try:
+      result = shakespeare.run(
+        config, fdo_dir=fdo_dir, progress=not args.no_progress
+      )
+    except ValueError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 1
+  print(shakespeare.summary(result))
+  if args.report:
+    from pz_sparsecore import report
+
+    path = report.write_report(args.report, result)
+    print(f"report: {path}")
+  return 0

@@ -1,0 +1,26 @@
+"""Configuration of the Shakespeare example (importable without JAX)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+OPTIMIZER_NAMES = ("adagrad", "adam", "sgd", "ftrl")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """Configuration of a Shakespeare run (also written to the report)."""
+
+  devices: int = 8
+  sc_per_device: int = 1
+  steps: int = 300
+  vocab: int = 4096
+  seq_len: int = 8
+  batch_size: int = 256
+  embedding_dim: int = 64
+  hidden: int = 256
+  optimizer: str = "adagrad"
+  fdo_every: int = 100
+  fdo_headroom: float = 1.25
+  eval_batches: int = 16
+  seed: int = 0
