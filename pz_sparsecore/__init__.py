@@ -1,5 +1,79 @@
-"""pz_sparsecore: SparseCore-style sharded embeddings for Penzai."""
+"""pz_sparsecore: SparseCore-style sharded embeddings for Penzai.
+
+`import pz_sparsecore as pzsc` gives the public surface below. Submodules
+load on first use, so importing the package is cheap and does not start JAX.
+
+Pipeline: specs (`TableSpec`, `FeatureSpec`, optimizer specs) → layout
+(`prepare_feature_specs_for_training`, `stack_tables`, ...) → host
+preprocessing (`preprocess_sparse_dense_matmul_input`) → the Penzai layer
+(`SparseCoreEmbed`) and its training (`SparseCoreTrainer`), with FDO,
+checkpoints and Treescope views around it.
+"""
 
 from __future__ import annotations
 
+import importlib
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+  # specs
+  "TableSpec": "specs",
+  "FeatureSpec": "specs",
+  "FeatureIdTransformation": "specs",
+  "TableSettingInStack": "specs",
+  "StackedTableSpec": "specs",
+  "OptimizerSpec": "specs",
+  "SGDOptimizerSpec": "specs",
+  "AdagradOptimizerSpec": "specs",
+  "AdagradMomentumOptimizerSpec": "specs",
+  "AdamOptimizerSpec": "specs",
+  "FTRLOptimizerSpec": "specs",
+  # layout
+  "prepare_feature_specs_for_training": "layout",
+  "stack_tables": "layout",
+  "auto_stack_tables": "layout",
+  "stack_and_shard_tables": "layout",
+  "unshard_and_unstack_tables": "layout",
+  "physical_row_ids": "layout",
+  "get_table_specs": "layout",
+  "get_stacked_table_specs": "layout",
+  # preprocessing
+  "preprocess_sparse_dense_matmul_input": "preprocess",
+  "PreprocessedInput": "preprocess",
+  "SparseDenseMatmulInputStats": "preprocess",
+  "compute_coo_buffer_size_per_device": "preprocess",
+  "eval_preprocess_sparse_dense_matmul_input_shape": "preprocess",
+  "PAD_ID": "preprocess",
+  # fdo
+  "FDOClient": "fdo",
+  "NPZFileFDOClient": "fdo",
+  "update_preprocessing_parameters": "fdo",
+  "scale_stats": "fdo",
+  # device side
+  "sparse_dense_matmul": "kernels",
+  "sparse_dense_matmul_grad": "kernels",
+  "Topology": "parallel",
+  "TableGradientError": "parallel",
+  # penzai side
+  "SparseCoreEmbed": "nn.embed",
+  "SparseCoreTrainer": "nn.training",
+  "NonFiniteUpdateError": "nn.training",
+  "save_checkpoint": "nn.checkpoint",
+  "restore_checkpoint": "nn.checkpoint",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+  module = _EXPORTS.get(name)
+  if module is None:
+    raise AttributeError(f"module 'pz_sparsecore' has no attribute {name!r}")
+  value = getattr(importlib.import_module(f"pz_sparsecore.{module}"), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(list(globals()) + __all__)
