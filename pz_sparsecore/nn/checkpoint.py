@@ -32,7 +32,7 @@ import numpy as np
 from penzai import pz
 
 from pz_sparsecore import layout
-from pz_sparsecore.nn.embed import SparseCoreEmbed, _named
+from pz_sparsecore.nn.embed import SparseCoreEmbed, _named, from_host, to_host
 from pz_sparsecore.nn.training import embeds_of
 
 _LATEST = "LATEST"
@@ -65,9 +65,9 @@ def _host_value(label: str, value: Any) -> tuple[np.ndarray, list[str] | None]:
     data = value.unwrap(*names) if not value.positional_shape else None
     if data is None:
       raise ValueError(f"variable {label!r}: positional axes are not supported")
-    return np.asarray(jax.device_get(data)), names
+    return to_host(data), names
   if isinstance(value, jax.Array | np.ndarray | np.generic | int | float):
-    return np.asarray(jax.device_get(value)), None
+    return to_host(value), None
   raise ValueError(
     f"variable {label!r}: cannot checkpoint a value of type "
     f"{type(value).__name__} (only arrays and NamedArrays)"
@@ -178,7 +178,7 @@ def _stacked(
     )
   stacked = layout.stack_and_shard_tables(specs, logical, n, pad_value=0.0)
   sharding = embed.config.topology.sharding(3)
-  return {k: jax.device_put(v, sharding) for k, v in stacked.items()}
+  return {k: from_host(v, sharding) for k, v in stacked.items()}
 
 
 def _restore_embed(
@@ -217,7 +217,7 @@ def _restore_embed(
 
 def _restored_value(old: Any, value: np.ndarray, names: list[str] | None):
   sharding = getattr(getattr(old, "data_array", old), "sharding", None)
-  array = jax.device_put(value, sharding) if sharding is not None else value
+  array = from_host(value, sharding) if sharding is not None else value
   if names is None:
     return array
   return pz.nx.wrap(array).tag(*names)

@@ -513,7 +513,7 @@ class SparseCoreEmbed(pz.nn.Layer):
   # Logical views.
 
   def _stacked_host(self, arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    return {stack: np.asarray(jax.device_get(v)) for stack, v in arrays.items()}
+    return {stack: to_host(v) for stack, v in arrays.items()}
 
   def logical_tables(self) -> dict[str, np.ndarray]:
     """Table name → `[vocab, dim]` numpy array."""
@@ -533,7 +533,7 @@ class SparseCoreEmbed(pz.nn.Layer):
         )
         tables = layout.unshard_and_unstack_tables(
           [t for t in self._tables_of(stack)],
-          {stack: np.asarray(jax.device_get(values))},
+          {stack: to_host(values)},
           self.config.topology.num_shards,
         )
         for name, value in tables.items():
@@ -570,12 +570,12 @@ class SparseCoreEmbed(pz.nn.Layer):
       stack = table.stacked_table_spec.stack_name
       if stack not in changed:
         current = variables[stack]
-        changed[stack] = np.array(jax.device_get(current), dtype=np.float32)
+        changed[stack] = np.array(to_host(current), dtype=np.float32)
       flat = changed[stack].reshape(-1, changed[stack].shape[-1])
       rows = layout.physical_row_ids(table, np.arange(table.vocabulary_size), n)
       flat[rows, : table.embedding_dim] = np.asarray(value, np.float32)
     sharding = self.config.topology.sharding(3)
-    return {k: jax.device_put(v, sharding) for k, v in changed.items()}
+    return {k: from_host(v, sharding) for k, v in changed.items()}
 
   def set_logical_tables(self, tables: Mapping[str, Any]) -> None:
     """Writes logical tables (any subset) into the sharded parameters.
@@ -656,6 +656,11 @@ class SparseCoreEmbed(pz.nn.Layer):
     config = dataclasses.replace(self.config, feature_specs=tuple(leaves))
     return dataclasses.replace(self, config=config)
 
+  def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
+    from pz_sparsecore import _treescope
+
+    return _treescope.render_embed(self, path, subtree_renderer)
+
   def treescope_summary(self) -> str:
     """One-line summary used by the Treescope rendering."""
     topo = self.config.topology
@@ -690,3 +695,18 @@ def _local_device_count(topo: parallel.Topology) -> int:
       f"{topo.axis!r}; it owns positions {owned}"
     )
   return len(owned)
+
+
+def to_host(value: Any) -> np.ndarray:
+  """A (possibly multi-process) array as one numpy array on every process."""
+  if isinstance(value, jax.Array) and not value.is_fully_addressable:
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+  return np.asarray(jax.device_get(value))
+
+
+def from_host(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+  """A numpy array (equal on every process) placed with `sharding`."""
+  value = np.asarray(value)
+  return jax.make_array_from_callback(value.shape, sharding, lambda i: value[i])

@@ -1,0 +1,109 @@
+"""One process of a multi-process training run (launched by the tests).
+
+Usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR
+  [DEVICES_PER_PROCESS]
+
+Every process builds the same model on a mesh over all global devices,
+preprocesses only its own share of each global batch, trains a few steps and
+records its FDO stats; process 0 writes the losses and final logical tables.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main() -> None:
+  process_id, num_processes, port = map(int, sys.argv[1:4])
+  out_dir = sys.argv[4]
+  per_process = int(sys.argv[5]) if len(sys.argv) > 5 else 4
+  os.environ["XLA_FLAGS"] = (
+    f"--xla_force_host_platform_device_count={per_process}"
+  )
+  import jax
+
+  if num_processes > 1:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+      f"localhost:{port}",
+      num_processes=num_processes,
+      process_id=process_id,
+    )
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  from penzai import pz
+
+  import pz_sparsecore as pzsc
+  from pz_sparsecore.models import shakespeare
+
+  batch, seq, vocab = 64, 4, 512
+  mesh = Mesh(np.array(jax.devices()), ("device",))
+  model = shakespeare.build_model(
+    jax.random.key(0),
+    mesh,
+    vocab_size=vocab,
+    seq_len=seq,
+    batch_size=batch,
+    embedding_dim=16,
+    hidden=32,
+    optimizer=pzsc.AdagradOptimizerSpec(learning_rate=0.3),
+  )
+  replicated = NamedSharding(mesh, P())
+  for param in pz.unbind_params(model.body)[1]:
+    param.value = jax.tree.map(
+      lambda x: jax.device_put(x, replicated), param.value
+    )
+  trainer = pzsc.SparseCoreTrainer.build(
+    jax.random.wrap_key_data(
+      jax.device_put(
+        np.asarray(jax.random.key_data(jax.random.key(1))), replicated
+      )
+    ),
+    model,
+    optax.adam(1e-2),
+    shakespeare.loss_fn,
+  )
+  fdo = pzsc.NPZFileFDOClient(os.path.join(out_dir, "fdo"), run_id="mp-test")
+  rng = np.random.default_rng(0)
+  local = batch // num_processes
+  rows = slice(process_id * local, (process_id + 1) * local)
+  losses = []
+  seen: dict[str, list] = {}
+  for step in range(5):
+    context = rng.integers(0, vocab, (batch, seq))
+    labels = rng.integers(0, vocab, (batch,)).astype(np.int32)
+    inputs, stats = trainer.model.embed.preprocess(
+      {shakespeare.FEATURE: context[rows]}, batch_number=step
+    )
+    fdo.record(stats)
+    for field in ("max_ids_per_partition", "max_unique_ids_per_partition"):
+      seen.setdefault(field, []).append(getattr(stats, field)["words"])
+    labels = jax.make_array_from_process_local_data(
+      NamedSharding(mesh, P("device")), labels[rows], (batch,)
+    )
+    aux = trainer.step(inputs=inputs, labels=labels)
+    losses.append(float(jax.device_get(aux["loss"])))
+  fdo.publish()
+  local_max = {
+    field: np.max(np.stack([np.asarray(r) for r in records]), axis=0)
+    for field, records in seen.items()
+  }
+  np.savez(os.path.join(out_dir, f"stats_{process_id}.npz"), **local_max)
+  tables = trainer.model.embed.logical_tables()
+  slots = trainer.model.embed.logical_slots()
+  if process_id == 0:
+    np.savez(
+      os.path.join(out_dir, "result.npz"),
+      losses=np.asarray(losses),
+      table=tables[shakespeare.TABLE],
+      accumulator=slots[shakespeare.TABLE]["accumulator"],
+    )
+  del jnp
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,83 @@
+"""Two processes x 4 CPU devices train exactly like one process x 8."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pz_sparsecore as pzsc
+
+WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
+ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _launch(out_dir, num_processes: int, devices: int) -> None:
+  port = _free_port()
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        WORKER,
+        str(i),
+        str(num_processes),
+        str(port),
+        str(out_dir),
+        str(devices),
+      ],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      env=ENV,
+    )
+    for i in range(num_processes)
+  ]
+  outputs = []
+  try:
+    for proc in procs:
+      outputs.append(proc.communicate(timeout=240)[0])
+  finally:
+    for proc in procs:
+      proc.kill()
+  for proc, output in zip(procs, outputs, strict=True):
+    assert proc.returncode == 0, output[-4000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  single = tmp_path_factory.mktemp("single")
+  multi = tmp_path_factory.mktemp("multi")
+  _launch(single, 1, 8)
+  _launch(multi, 2, 4)
+  return single, multi
+
+
+def test_losses_and_tables_match_one_process(runs):
+  single, multi = runs
+  a = np.load(single / "result.npz")
+  b = np.load(multi / "result.npz")
+  np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-5)
+  np.testing.assert_allclose(a["table"], b["table"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    a["accumulator"], b["accumulator"], rtol=1e-5, atol=1e-6
+  )
+  assert not np.allclose(a["losses"][0], a["losses"][-1])
+
+
+def test_fdo_merges_both_processes(runs):
+  _, multi = runs
+  loaded = pzsc.NPZFileFDOClient(multi / "fdo", run_id="mp-test").load()
+  local = [np.load(multi / f"stats_{i}.npz") for i in range(2)]
+  for field in ("max_ids_per_partition", "max_unique_ids_per_partition"):
+    expected = np.maximum(local[0][field], local[1][field])
+    np.testing.assert_array_equal(getattr(loaded, field)["words"], expected)
