@@ -1,0 +1,138 @@
+#include "coo_layout.h"
+
+#include <algorithm>
+#include <string>
+
+namespace pzsc {
+namespace {
+
+std::string Str(int64_t v) { return std::to_string(v); }
+
+int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+}  // namespace
+
+ffi::Error CheckBuffer(const ffi::AnyBuffer& buffer, ffi::DataType dtype,
+                       int64_t rank, const char* name) {
+  if (buffer.element_type() != dtype) {
+    return ffi::Error::InvalidArgument(
+        std::string(name) + " has the wrong dtype (expected " +
+        (dtype == ffi::DataType::S32 ? "int32" : "float32") + ")");
+  }
+  if (static_cast<int64_t>(buffer.dimensions().size()) != rank) {
+    return ffi::Error::InvalidArgument(std::string(name) + " must have rank " +
+                                       Str(rank) + ", got rank " +
+                                       Str(buffer.dimensions().size()));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckMatrix(const ffi::AnyBuffer& buffer, int64_t rows,
+                       int64_t cols, const char* name) {
+  if (auto err = CheckBuffer(buffer, ffi::DataType::F32, 2, name);
+      err.failure()) {
+    return err;
+  }
+  const auto dims = buffer.dimensions();
+  if (dims[0] != rows || dims[1] != cols) {
+    return ffi::Error::InvalidArgument(
+        std::string(name) + " must have shape [" + Str(rows) + ", " +
+        Str(cols) + "], got [" + Str(dims[0]) + ", " + Str(dims[1]) + "]");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error MakeCooView(const LayoutAttrs& attrs,
+                       const ffi::AnyBuffer& row_pointers,
+                       const ffi::AnyBuffer& embedding_ids,
+                       const ffi::AnyBuffer& sample_ids,
+                       const ffi::AnyBuffer& gains,
+                       const ffi::AnyBuffer& table, CooView* view) {
+  using ffi::DataType;
+  if (attrs.num_segments <= 0 || attrs.samples_per_segment <= 0 ||
+      attrs.num_partitions <= 0 || attrs.rows_per_partition <= 0 ||
+      attrs.partition_begin < 0) {
+    return ffi::Error::InvalidArgument(
+        "num_segments, samples_per_segment, num_partitions and "
+        "rows_per_partition must be positive and partition_begin >= 0");
+  }
+  if (auto e = CheckBuffer(row_pointers, DataType::S32, 1, "row_pointers");
+      e.failure()) {
+    return e;
+  }
+  if (auto e = CheckBuffer(embedding_ids, DataType::S32, 1, "embedding_ids");
+      e.failure()) {
+    return e;
+  }
+  if (auto e = CheckBuffer(sample_ids, DataType::S32, 1, "sample_ids");
+      e.failure()) {
+    return e;
+  }
+  if (auto e = CheckBuffer(gains, DataType::F32, 1, "gains"); e.failure()) {
+    return e;
+  }
+  if (auto e = CheckBuffer(table, DataType::F32, 2, "table"); e.failure()) {
+    return e;
+  }
+  const int64_t n = static_cast<int64_t>(embedding_ids.element_count());
+  if (static_cast<int64_t>(sample_ids.element_count()) != n ||
+      static_cast<int64_t>(gains.element_count()) != n) {
+    return ffi::Error::InvalidArgument(
+        "embedding_ids, sample_ids and gains must have the same length");
+  }
+  if (n % attrs.num_segments != 0) {
+    return ffi::Error::InvalidArgument(
+        "COO buffer length " + Str(n) + " is not a multiple of num_segments " +
+        Str(attrs.num_segments));
+  }
+  const int64_t nrp = static_cast<int64_t>(row_pointers.element_count());
+  if (nrp % attrs.num_segments != 0 ||
+      nrp / attrs.num_segments < attrs.num_partitions) {
+    return ffi::Error::InvalidArgument(
+        "row_pointers length " + Str(nrp) + " must be num_segments (" +
+        Str(attrs.num_segments) + ") times a stride >= num_partitions (" +
+        Str(attrs.num_partitions) + ")");
+  }
+  const auto tdims = table.dimensions();
+  if (tdims[0] % attrs.rows_per_partition != 0) {
+    return ffi::Error::InvalidArgument(
+        "table rows " + Str(tdims[0]) +
+        " are not a multiple of rows_per_partition " +
+        Str(attrs.rows_per_partition));
+  }
+  view->row_pointers = row_pointers.typed_data<int32_t>();
+  view->ids = embedding_ids.typed_data<int32_t>();
+  view->sample_ids = sample_ids.typed_data<int32_t>();
+  view->gains = gains.typed_data<float>();
+  view->attrs = attrs;
+  view->seg_len = n / attrs.num_segments;
+  view->rp_stride = nrp / attrs.num_segments;
+  view->num_table_partitions = tdims[0] / attrs.rows_per_partition;
+  view->dim = tdims[1];
+  return ffi::Error::Success();
+}
+
+std::vector<Slice> CollectSlices(const CooView& v) {
+  std::vector<Slice> slices;
+  const LayoutAttrs& a = v.attrs;
+  for (int64_t k = 0; k < a.num_segments; ++k) {
+    const int32_t* rp = v.row_pointers + k * v.rp_stride;
+    int64_t prev_end = 0;
+    for (int64_t p = 0; p < a.num_partitions; ++p) {
+      const int64_t begin =
+          p == 0 ? 0 : RoundUp(std::max<int64_t>(prev_end, 0),
+                               kPartitionAlignment);
+      const int64_t end = std::min<int64_t>(rp[p], v.seg_len);
+      prev_end = rp[p];
+      const int64_t local = p - a.partition_begin;
+      if (begin >= end || local < 0 || local >= v.num_table_partitions) {
+        continue;
+      }
+      slices.push_back(
+          Slice{k, local, k * v.seg_len + begin, k * v.seg_len + end});
+    }
+  }
+  return slices;
+}
+
+}  // namespace pzsc

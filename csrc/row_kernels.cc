@@ -1,0 +1,169 @@
+#include "row_kernels.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "optimizers.h"
+
+// Each exported loop is cloned per ISA and dispatched at load time (ifunc).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(PZSC_NO_MULTIVERSIONING)
+#define PZSC_MULTIVERSION \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define PZSC_MULTIVERSION
+#endif
+
+namespace pzsc {
+namespace {
+
+// How many entries ahead the table rows are prefetched.
+constexpr int64_t kPrefetchDistance = 8;
+
+inline void PrefetchRow(const float* row, int64_t dim) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(float)); b += 64) {
+    __builtin_prefetch(p + b, 0, 3);
+  }
+}
+
+inline void PrefetchRowForWrite(const float* row, int64_t dim) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(float)); b += 64) {
+    __builtin_prefetch(p + b, 1, 3);
+  }
+}
+
+inline void Axpy(float a, const float* __restrict x, float* __restrict y,
+                 int64_t dim) {
+  for (int64_t i = 0; i < dim; ++i) y[i] += a * x[i];
+}
+
+// First position in [begin, end) whose id is >= value (ids sorted).
+inline int64_t LowerBound(const int32_t* ids, int64_t begin, int64_t end,
+                          int64_t value) {
+  while (begin < end) {
+    const int64_t mid = begin + (end - begin) / 2;
+    if (ids[mid] < value) {
+      begin = mid + 1;
+    } else {
+      end = mid;
+    }
+  }
+  return begin;
+}
+
+struct Cursor {
+  int64_t pos;
+  int64_t end;
+  int64_t out_base;  // segment * samples_per_segment
+};
+
+}  // namespace
+
+PZSC_MULTIVERSION
+void ForwardRows(const ForwardPlan& plan, const float* table, int64_t dim,
+                 int64_t row_begin, int64_t row_end, float* out) {
+  const int64_t* __restrict rows = plan.rows;
+  const float* __restrict gains = plan.gains;
+  const int64_t last = plan.offsets[row_end];
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    float* __restrict o = out + r * dim;
+    for (int64_t i = 0; i < dim; ++i) o[i] = 0.0f;
+    for (int64_t j = plan.offsets[r], e = plan.offsets[r + 1]; j < e; ++j) {
+      if (j + kPrefetchDistance < last) {
+        PrefetchRow(table + rows[j + kPrefetchDistance] * dim, dim);
+      }
+      Axpy(gains[j], table + rows[j] * dim, o, dim);
+    }
+  }
+}
+
+PZSC_MULTIVERSION
+void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
+                  int64_t key_end) {
+  const CooView& v = *plan.view;
+  const int64_t rpp = v.attrs.rows_per_partition;
+  const int64_t spp = v.attrs.samples_per_segment;
+  const int64_t dim = v.dim;
+  const int32_t* __restrict ids = v.ids;
+  const int32_t* __restrict sids = v.sample_ids;
+  const float* __restrict gains = v.gains;
+  const float* __restrict grad = plan.activation_grad;
+  const int num_slots = NumSlots(plan.optimizer);
+  std::vector<float> acc_storage(dim);
+  float* __restrict acc = acc_storage.data();
+  std::vector<Cursor> cursors;
+  if (key_begin >= key_end) return;
+  const int64_t p_first = key_begin / rpp;
+  const int64_t p_last = (key_end - 1) / rpp;
+  for (int64_t p = p_first; p <= p_last; ++p) {
+    const int64_t row_lo = std::max<int64_t>(key_begin - p * rpp, 0);
+    const int64_t row_hi =
+        std::min<int64_t>(std::min<int64_t>(key_end - p * rpp, rpp), kPadId);
+    cursors.clear();
+    for (const Slice& s : (*plan.parts)[p]) {
+      const int64_t lo = LowerBound(ids, s.begin, s.end, row_lo);
+      const int64_t hi = LowerBound(ids, lo, s.end, row_hi);
+      if (lo < hi) cursors.push_back({lo, hi, s.segment * spp});
+    }
+    const int64_t table_base = p * rpp;
+    while (true) {
+      int64_t row = std::numeric_limits<int64_t>::max();
+      for (const Cursor& c : cursors) {
+        if (c.pos < c.end) row = std::min<int64_t>(row, ids[c.pos]);
+      }
+      if (row == std::numeric_limits<int64_t>::max()) break;
+      bool referenced = false;
+      for (int64_t i = 0; i < dim; ++i) acc[i] = 0.0f;
+      for (Cursor& c : cursors) {
+        if (c.pos + kPrefetchDistance < c.end) {
+          const int64_t ahead =
+              (table_base + ids[c.pos + kPrefetchDistance]) * dim;
+          PrefetchRowForWrite(plan.table + ahead, dim);
+          for (int s = 0; s < num_slots; ++s) {
+            PrefetchRowForWrite(plan.slots[s] + ahead, dim);
+          }
+        }
+        for (; c.pos < c.end && ids[c.pos] == row; ++c.pos) {
+          const int32_t sid = sids[c.pos];
+          if (sid < 0 || sid >= spp) continue;
+          referenced = true;
+          Axpy(gains[c.pos], grad + (c.out_base + sid) * dim, acc, dim);
+        }
+      }
+      if (!referenced) continue;
+      const int64_t off = (table_base + row) * dim;
+      float* __restrict w = plan.table + off;
+      const Hyperparameters& h = plan.hyper;
+      switch (plan.optimizer) {
+        case Optimizer::kSgd:
+          ApplySgd(h, w, acc, dim);
+          break;
+        case Optimizer::kAdagrad:
+          ApplyAdagrad(h, w, plan.slots[0] + off, acc, dim);
+          break;
+        case Optimizer::kAdagradMomentum:
+          ApplyAdagradMomentum(h, w, plan.slots[0] + off, plan.slots[1] + off,
+                               acc, dim);
+          break;
+        case Optimizer::kAdam:
+          ApplyAdam(h, w, plan.slots[0] + off, plan.slots[1] + off, acc, dim);
+          break;
+        case Optimizer::kFtrl:
+          ApplyFtrl(h, w, plan.slots[0] + off, plan.slots[1] + off, acc, dim);
+          break;
+      }
+      if (plan.clip) {
+        const float lo = plan.clip_min, hi = plan.clip_max;
+        for (int64_t i = 0; i < dim; ++i) {
+          w[i] = std::min(std::max(w[i], lo), hi);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace pzsc

@@ -1,0 +1,52 @@
+// Hot loops of the handlers, compiled at -O3 with per-ISA clones
+// (row_kernels.cc). The handlers plan the work; these functions only run it.
+#ifndef PZSC_CSRC_ROW_KERNELS_H_
+#define PZSC_CSRC_ROW_KERNELS_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "coo_layout.h"
+#include "optimizers.h"
+
+namespace pzsc {
+
+// Entries grouped by output row (CSR): the entries of output row r are
+// [offsets[r], offsets[r + 1]) of `rows` (table row) and `gains`, in buffer
+// order, so every output row is summed in a fixed order.
+struct ForwardPlan {
+  const int64_t* offsets;
+  const int64_t* rows;
+  const float* gains;
+  int64_t num_entries;
+};
+
+// out[r, :] = sum_j gains[j] * table[rows[j], :] for r in [row_begin, row_end);
+// rows without entries become zero.
+void ForwardRows(const ForwardPlan& plan, const float* table, int64_t dim,
+                 int64_t row_begin, int64_t row_end, float* out);
+
+// Everything BackwardKeys needs; `parts[p]` holds partition p's slices in
+// segment order (entries sorted by row within a slice).
+struct BackwardPlan {
+  const CooView* view;
+  const std::vector<std::vector<Slice>>* parts;
+  const float* activation_grad;
+  float* table;
+  float* slots[kMaxSlots];
+  Optimizer optimizer;
+  Hyperparameters hyper;
+  bool clip;
+  float clip_min;
+  float clip_max;
+};
+
+// Updates every referenced table row whose key p * rows_per_partition + row
+// lies in [key_begin, key_end): sums gain * activation_grad over all its
+// entries (segment order, then buffer order), then applies the optimizer.
+void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
+                  int64_t key_end);
+
+}  // namespace pzsc
+
+#endif  // PZSC_CSRC_ROW_KERNELS_H_

@@ -1,0 +1,50 @@
+"""Device-side kernels: sparse-dense matmul and fused optimizer backward.
+
+The buffers are one device's CSR-wrapped COO arrays, as written by the host
+preprocessor (``pz_sparsecore.preprocess``). Per segment ``k`` (SparseCore)
+the arrays ``embedding_ids``, ``sample_ids`` and ``gains`` hold ``seg_len``
+entries and ``row_pointers`` holds ``rp_stride`` values; partition ``p`` of
+the segment spans entries ``[r8(rp[p - 1]), rp[p])`` (``r8`` rounds up to a
+multiple of :data:`PARTITION_ALIGNMENT`; the first partition starts at 0),
+sorted by (row, sample). Gaps hold :data:`PAD_ID` and NaN gains.
+
+Example, one segment, two partitions of 4 rows, two samples::
+
+  row_pointers  = [2, 11]            # p0: [0, 2), p1: [8, 11)
+  embedding_ids = [1, 3, PAD x 6, 0, 0, 2, PAD x 5]
+  sample_ids    = [0, 1, PAD x 6, 0, 1, 1, PAD x 5]
+  gains         = [1, 1, NaN x 6, .5, 1, 1, NaN x 5]
+  # out[0] = table[1] + .5 * table[4]; out[1] = table[3] + table[4] + table[6]
+
+:func:`sparse_dense_matmul` computes the activations and
+:func:`sparse_dense_matmul_grad` applies the backward fused with an optimizer
+update, in place, to the referenced rows only. The C++ handlers run on CPU
+(and on CUDA when built with it); ``reference`` is the pure-JAX oracle and
+fallback.
+"""
+
+from __future__ import annotations
+
+from pz_sparsecore.kernels import reference
+from pz_sparsecore.kernels._common import (
+  OPTIMIZERS,
+  PAD_ID,
+  PARTITION_ALIGNMENT,
+  OptimizerInfo,
+)
+from pz_sparsecore.kernels.ffi import available as ffi_available
+from pz_sparsecore.kernels.ops import (
+  sparse_dense_matmul,
+  sparse_dense_matmul_grad,
+)
+
+__all__ = [
+  "OPTIMIZERS",
+  "PAD_ID",
+  "PARTITION_ALIGNMENT",
+  "OptimizerInfo",
+  "ffi_available",
+  "reference",
+  "sparse_dense_matmul",
+  "sparse_dense_matmul_grad",
+]

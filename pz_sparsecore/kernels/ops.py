@@ -1,0 +1,253 @@
+"""Public kernels: the sparse-dense matmul and its fused optimizer backward.
+
+Both functions take one device's CSR-wrapped COO buffers (see ``_common``
+and the package docstring) and one table shard, validate them up front
+(``ValueError`` on a bad dtype, rank or size) and dispatch to an
+implementation:
+
+* ``implementation=None``: the C++ FFI handler where one is compiled for the
+  platform the call is lowered for (CPU; CUDA for a ``-DPZSC_CUDA=ON`` build),
+  else the pure-JAX reference. The choice happens at lowering time through
+  ``jax.lax.platform_dependent``, so one traced function serves every backend.
+* ``"ffi"``: the handler (the call fails to lower on a platform without one).
+* ``"reference"``: the pure-JAX reference (``reference.py``).
+
+Both work under ``jit`` and inside ``shard_map`` (they act on the local
+shard). Under ``vmap`` the FFI handlers run once per batch element
+(``vmap_method="sequential"``); the reference batches natively.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+
+from pz_sparsecore.kernels import _common, ffi, reference
+
+_IMPLEMENTATIONS = (None, "ffi", "reference")
+
+
+def _check_implementation(implementation: str | None) -> None:
+  if implementation not in _IMPLEMENTATIONS:
+    raise ValueError(
+      f"implementation must be one of {_IMPLEMENTATIONS}, got "
+      f"{implementation!r}."
+    )
+
+
+def _dispatch(target: str, implementation: str | None, ffi_fn, reference_fn):
+  """Returns a function running the chosen implementation."""
+  if implementation == "reference" or (
+    implementation is None and not ffi.available(target, "cpu")
+  ):
+    return reference_fn
+  if implementation == "ffi":
+    if not ffi.available(target, "cpu"):
+      raise ValueError(
+        f"FFI target {target!r} is not available: the pz_sparsecore "
+        "extension was not built."
+      )
+    return ffi_fn
+  branches = {"cpu": ffi_fn}
+  if ffi.available(target, "cuda"):
+    branches["cuda"] = ffi_fn
+  return lambda *args: jax.lax.platform_dependent(
+    *args, default=reference_fn, **branches
+  )
+
+
+def sparse_dense_matmul(
+  row_pointers: jax.Array,
+  embedding_ids: jax.Array,
+  sample_ids: jax.Array,
+  gains: jax.Array,
+  table: jax.Array,
+  *,
+  num_segments: int,
+  samples_per_segment: int,
+  num_partitions: int,
+  rows_per_partition: int,
+  partition_begin: int = 0,
+  implementation: str | None = None,
+) -> jax.Array:
+  """Looks up and combines embedding rows: one device's forward.
+
+  For every valid entry ``(row e, sample i, gain g)`` of partition ``p`` in
+  segment ``k``: ``out[k * samples_per_segment + i] += g * table[(p -
+  partition_begin) * rows_per_partition + e]``. Entries with the padding id,
+  an id outside ``[0, rows_per_partition)``, a sample id outside
+  ``[0, samples_per_segment)`` or a partition outside the table's window
+  ``[partition_begin, partition_begin + table.shape[0] / rows_per_partition)``
+  are skipped.
+
+  Args:
+    row_pointers: int32 ``[num_segments * rp_stride]``, ``rp_stride >=
+      num_partitions``; partition ``p`` of segment ``k`` spans entries
+      ``[r8(rp[p - 1]), rp[p])`` of the segment (``r8``: round up to 8).
+    embedding_ids: int32 ``[num_segments * seg_len]`` rows in the shards.
+    sample_ids: int32 ``[num_segments * seg_len]`` segment-local samples.
+    gains: float32 ``[num_segments * seg_len]``.
+    table: float32 ``[num_table_partitions * rows_per_partition, dim]``.
+    num_segments: SparseCore segments in the buffers.
+    samples_per_segment: Output rows per segment.
+    num_partitions: Partitions per segment in the row pointers.
+    rows_per_partition: Rows of one partition's table shard.
+    partition_begin: First partition held by ``table``.
+    implementation: ``None`` (FFI where compiled, else reference),
+      ``"ffi"`` or ``"reference"``.
+
+  Returns:
+    float32 ``[num_segments * samples_per_segment, dim]`` activations.
+
+  Raises:
+    ValueError: If an operand's dtype, rank or size is inconsistent.
+  """
+  _check_implementation(implementation)
+  layout = _common.check_buffers(
+    row_pointers,
+    embedding_ids,
+    sample_ids,
+    gains,
+    table,
+    num_segments=num_segments,
+    samples_per_segment=samples_per_segment,
+    num_partitions=num_partitions,
+    rows_per_partition=rows_per_partition,
+    partition_begin=partition_begin,
+  )
+  fn = _dispatch(
+    ffi.FORWARD_TARGET,
+    implementation,
+    lambda *a: ffi.sparse_dense_matmul(*a, layout),
+    lambda *a: reference.sparse_dense_matmul(*a, layout),
+  )
+  return fn(row_pointers, embedding_ids, sample_ids, gains, table)
+
+
+def sparse_dense_matmul_grad(
+  activation_grad: jax.Array,
+  row_pointers: jax.Array,
+  embedding_ids: jax.Array,
+  sample_ids: jax.Array,
+  gains: jax.Array,
+  table: jax.Array,
+  slots: Sequence[jax.Array],
+  *,
+  optimizer: str,
+  hyperparameters: jax.Array,
+  num_segments: int,
+  samples_per_segment: int,
+  num_partitions: int,
+  rows_per_partition: int,
+  partition_begin: int = 0,
+  clip: tuple[float, float] | None = None,
+  multiply_linear_by_learning_rate: bool = False,
+  implementation: str | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+  """Backward of :func:`sparse_dense_matmul` fused with an optimizer step.
+
+  Every table row referenced by at least one valid entry (a gain of 0
+  counts) gets the gradient ``sum(gain * activation_grad[k *
+  samples_per_segment + i])`` over all its entries in all segments, and the
+  optimizer is applied once to the row and its slots (equations: research
+  notes section 4.3, ``reference.apply_optimizer``). The new table row (not
+  the slots) is then clipped to ``clip`` if given. Other rows and slots are
+  returned bit-identical. Work is O(entries), independent of the table size.
+
+  The FFI handler updates ``table`` and ``slots`` in place: they are aliased
+  to the results, so callers must donate them (e.g. ``jax.jit(step,
+  donate_argnums=...)``) and must not use the old arrays afterwards. Without
+  donation XLA copies them first (correct, but O(table)).
+
+  Args:
+    activation_grad: float32 ``[num_segments * samples_per_segment, dim]``.
+    row_pointers: int32 row pointers (as in the forward).
+    embedding_ids: int32 rows in the shards (as in the forward).
+    sample_ids: int32 segment-local samples (as in the forward).
+    gains: float32 gains (as in the forward).
+    table: float32 ``[num_table_partitions * rows_per_partition, dim]``.
+    slots: The optimizer's slot variables, each shaped like ``table``:
+      ``()`` for sgd, ``(accumulator,)`` for adagrad, ``(accumulator,
+      momentum)`` for adagrad_momentum, ``(momentum, velocity)`` for adam,
+      ``(accumulator, linear)`` for ftrl.
+    optimizer: ``"sgd"``, ``"adagrad"``, ``"adagrad_momentum"``, ``"adam"``
+      or ``"ftrl"``.
+    hyperparameters: float32 vector: sgd / adagrad ``(lr,)``;
+      adagrad_momentum ``(lr, momentum, beta2, epsilon, exponent,
+      use_nesterov)``; adam ``(alpha_t, beta_1, beta_2, epsilon_hat)``,
+      already bias-corrected; ftrl ``(lr, lr_power, l1, l2, beta)``. An
+      operand, so a new value never recompiles.
+    num_segments: SparseCore segments in the buffers.
+    samples_per_segment: Output rows per segment.
+    num_partitions: Partitions per segment in the row pointers.
+    rows_per_partition: Rows of one partition's table shard.
+    partition_begin: First partition held by ``table``.
+    clip: Optional ``(min, max)`` applied to updated table rows.
+    multiply_linear_by_learning_rate: FTRL's variant (static).
+    implementation: ``None`` (FFI where compiled, else reference),
+      ``"ffi"`` or ``"reference"``.
+
+  Returns:
+    ``(new_table, new_slots)`` with ``new_slots`` a tuple in slot order.
+
+  Raises:
+    ValueError: If an operand's dtype, rank or size is inconsistent, or the
+      optimizer is unknown.
+  """
+  _check_implementation(implementation)
+  layout = _common.check_buffers(
+    row_pointers,
+    embedding_ids,
+    sample_ids,
+    gains,
+    table,
+    num_segments=num_segments,
+    samples_per_segment=samples_per_segment,
+    num_partitions=num_partitions,
+    rows_per_partition=rows_per_partition,
+    partition_begin=partition_begin,
+  )
+  _common.check_grad_operands(
+    layout, activation_grad, table, slots, optimizer, hyperparameters, clip
+  )
+  kwargs = dict(
+    optimizer=optimizer,
+    clip=None if clip is None else (float(clip[0]), float(clip[1])),
+    multiply_linear_by_learning_rate=bool(multiply_linear_by_learning_rate),
+  )
+
+  def run(impl):
+    def fn(grad, rp, ids, sids, gains, table, hyper, *slots):
+      return impl(
+        grad,
+        rp,
+        ids,
+        sids,
+        gains,
+        table,
+        slots,
+        layout,
+        hyperparameters=hyper,
+        **kwargs,
+      )
+
+    return fn
+
+  fn = _dispatch(
+    ffi.grad_target(optimizer),
+    implementation,
+    run(ffi.sparse_dense_matmul_grad),
+    run(reference.sparse_dense_matmul_grad),
+  )
+  new_table, new_slots = fn(
+    activation_grad,
+    row_pointers,
+    embedding_ids,
+    sample_ids,
+    gains,
+    table,
+    hyperparameters,
+    *slots,
+  )
+  return new_table, tuple(new_slots)

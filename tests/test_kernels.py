@@ -1,0 +1,678 @@
+"""Tests of the sparse-dense matmul kernels (FFI handlers vs references)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pz_sparsecore import kernels
+
+PAD = kernels.PAD_ID
+ALIGN = kernels.PARTITION_ALIGNMENT
+
+
+@dataclasses.dataclass
+class Buffers:
+  """Random CSR-wrapped COO buffers plus the dense truth they encode."""
+
+  row_pointers: np.ndarray
+  embedding_ids: np.ndarray
+  sample_ids: np.ndarray
+  gains: np.ndarray
+  num_segments: int
+  samples_per_segment: int
+  num_partitions: int
+  rows_per_partition: int
+  # Valid entries as (segment, partition, row, sample, gain).
+  entries: list[tuple[int, int, int, int, float]]
+
+  def args(self):
+    return (
+      jnp.asarray(self.row_pointers),
+      jnp.asarray(self.embedding_ids),
+      jnp.asarray(self.sample_ids),
+      jnp.asarray(self.gains),
+    )
+
+  def layout(self, partition_begin: int = 0) -> dict[str, int]:
+    return dict(
+      num_segments=self.num_segments,
+      samples_per_segment=self.samples_per_segment,
+      num_partitions=self.num_partitions,
+      rows_per_partition=self.rows_per_partition,
+      partition_begin=partition_begin,
+    )
+
+
+def _r8(x: int) -> int:
+  return (x + ALIGN - 1) // ALIGN * ALIGN
+
+
+def make_buffers(
+  seed: int,
+  *,
+  num_segments: int = 2,
+  samples_per_segment: int = 16,
+  num_partitions: int = 4,
+  rows_per_partition: int = 32,
+  ids_per_sample: int = 6,
+  empty_partitions: tuple[int, ...] = (),
+  invalid_entries: bool = True,
+  seg_len: int | None = None,
+) -> Buffers:
+  """Builds sorted, deduplicated buffers with edge cases mixed in.
+
+  Ids are drawn so that rows 0 and rows_per_partition - 1 of every partition
+  are hit often and the same rows recur across segments. With
+  ``invalid_entries`` some entries have an out-of-range id or sample id (to
+  be skipped) and are placed where the (row, sample) order still holds.
+  """
+  rng = np.random.default_rng(seed)
+  rpp = rows_per_partition
+  per_segment = []
+  for _ in range(num_segments):
+    parts = []
+    for p in range(num_partitions):
+      pairs = {}
+      if p not in empty_partitions:
+        for s in range(samples_per_segment):
+          n = rng.integers(0, ids_per_sample + 1)
+          hot = np.array([0, rpp - 1, 1, rpp // 2])
+          rows = np.where(
+            rng.random(n) < 0.4,
+            rng.choice(hot, n),
+            rng.integers(0, rpp, n),
+          )
+          for r in rows:
+            g = float(rng.normal())
+            pairs[(int(r), s)] = pairs.get((int(r), s), 0.0) + g
+      if p == 1 and p not in empty_partitions:
+        pairs[(rpp - 2, 0)] = 0.0  # Referenced with gain 0.
+      entries = sorted((r, s, g) for (r, s), g in pairs.items())
+      invalid = []
+      if invalid_entries and p not in empty_partitions:
+        # Out-of-range sample ids (any row) and ids: placed in sorted order.
+        invalid.append((rpp // 3, samples_per_segment + 3, 1.0))
+        invalid.append((rpp // 3, -1, 1.0))
+        invalid.append((-5, 0, 1.0))
+        invalid.append((rpp, 0, 1.0))
+        invalid.append((rpp + 7, 2, 1.0))
+      parts.append((entries, invalid))
+    per_segment.append(parts)
+  needed = max(
+    sum(_r8(len(e) + len(i)) for e, i in parts) for parts in per_segment
+  )
+  seg_len = seg_len or needed + 2 * ALIGN
+  rp_stride = max(num_partitions, 8)
+  ids = np.full(num_segments * seg_len, PAD, np.int32)
+  sids = np.full(num_segments * seg_len, PAD, np.int32)
+  gains = np.full(num_segments * seg_len, np.nan, np.float32)
+  rps = np.zeros(num_segments * rp_stride, np.int32)
+  truth = []
+  for k, parts in enumerate(per_segment):
+    pos = 0
+    for p, (entries, invalid) in enumerate(parts):
+      allrows = sorted(entries + invalid, key=lambda e: (e[0], e[1]))
+      start = pos
+      for j, (r, s, g) in enumerate(allrows):
+        at = k * seg_len + start + j
+        ids[at], sids[at], gains[at] = r, s, g
+        if 0 <= r < rpp and 0 <= s < samples_per_segment:
+          truth.append((k, p, r, s, float(np.float32(g))))
+      end = start + len(allrows)
+      rps[k * rp_stride + p] = end
+      pos = _r8(end)
+    rps[k * rp_stride + num_partitions : (k + 1) * rp_stride] = pos
+  return Buffers(
+    rps,
+    ids,
+    sids,
+    gains,
+    num_segments,
+    samples_per_segment,
+    num_partitions,
+    rows_per_partition,
+    truth,
+  )
+
+
+def dense_forward(buf: Buffers, table: np.ndarray, partition_begin=0):
+  """Forward from the decoded truth, in float64."""
+  out = np.zeros((buf.num_segments * buf.samples_per_segment, table.shape[1]))
+  ntp = table.shape[0] // buf.rows_per_partition
+  for k, p, r, s, g in buf.entries:
+    if partition_begin <= p < partition_begin + ntp:
+      row = (p - partition_begin) * buf.rows_per_partition + r
+      out[k * buf.samples_per_segment + s] += g * table[row]
+  return out
+
+
+def row_grads(buf: Buffers, act_grad: np.ndarray, num_rows: int, pb=0):
+  """Row gradients (float64) of the referenced rows: {row: grad}."""
+  grads = {}
+  for k, p, r, s, g in buf.entries:
+    row = (p - pb) * buf.rows_per_partition + r
+    if 0 <= row < num_rows and p >= pb:
+      contrib = g * act_grad[k * buf.samples_per_segment + s].astype(float)
+      grads[row] = grads.get(row, 0.0) + contrib
+  return grads
+
+
+def _table(buf: Buffers, dim: int, seed: int, partitions=None) -> np.ndarray:
+  n = partitions if partitions is not None else buf.num_partitions
+  rng = np.random.default_rng(seed)
+  return rng.normal(size=(n * buf.rows_per_partition, dim)).astype(np.float32)
+
+
+def _slots(optimizer: str, table: np.ndarray, seed: int) -> tuple:
+  rng = np.random.default_rng(seed)
+  n = len(kernels.OPTIMIZERS[optimizer].slot_names)
+  out = []
+  for i in range(n):
+    if optimizer in ("adagrad", "adagrad_momentum", "ftrl") and i == 0:
+      out.append(rng.uniform(0.1, 1.0, table.shape).astype(np.float32))
+    elif optimizer == "adam" and i == 1:
+      out.append(rng.uniform(0.0, 0.5, table.shape).astype(np.float32))
+    else:
+      out.append(rng.normal(size=table.shape).astype(np.float32) * 0.1)
+  return tuple(out)
+
+
+HYPERPARAMETERS = {
+  "sgd": [0.1],
+  "adagrad": [0.05],
+  "adagrad_momentum": [0.05, 0.9, 1.0, 1e-8, 2.0, 0.0],
+  "adam": [0.01, 0.9, 0.999, 1e-7],
+  "ftrl": [0.1, -0.5, 0.0, 0.0, 0.0],
+}
+GRAD_CASES = [
+  ("sgd", HYPERPARAMETERS["sgd"], False),
+  ("adagrad", HYPERPARAMETERS["adagrad"], False),
+  ("adagrad_momentum", HYPERPARAMETERS["adagrad_momentum"], False),
+  ("adagrad_momentum", [0.05, 0.8, 0.95, 1e-6, 3.0, 1.0], False),
+  ("adam", HYPERPARAMETERS["adam"], False),
+  ("ftrl", HYPERPARAMETERS["ftrl"], False),
+  ("ftrl", [0.1, -0.7, 0.05, 0.1, 0.2], False),
+  ("ftrl", [0.1, -0.5, 0.05, 0.1, 0.2], True),
+]
+
+FORWARD_CASES = {
+  "one_segment": dict(num_segments=1, num_partitions=1),
+  "multi": dict(num_segments=3, num_partitions=4),
+  "empty_parts": dict(
+    num_segments=2, num_partitions=4, empty_partitions=(0, 2)
+  ),
+  "no_invalid": dict(num_segments=2, num_partitions=2, invalid_entries=False),
+  "many_parts": dict(num_segments=2, num_partitions=16, samples_per_segment=8),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORWARD_CASES))
+@pytest.mark.parametrize("dim", [1, 19, 64])
+def test_forward_matches_truth(case, dim):
+  buf = make_buffers(hash(case) % 1000, **FORWARD_CASES[case])
+  table = _table(buf, dim, seed=dim)
+  want = dense_forward(buf, table)
+  for impl in ("ffi", "reference"):
+    got = _forward(buf, table, impl)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=impl)
+
+
+@pytest.mark.parametrize(
+  "partition_begin,num_table_partitions", [(1, 2), (2, 2)]
+)
+def test_forward_partition_window(partition_begin, num_table_partitions):
+  buf = make_buffers(7, num_segments=3, num_partitions=4)
+  full = _table(buf, 8, seed=3)
+  rpp = buf.rows_per_partition
+  window = full[
+    partition_begin * rpp : (partition_begin + num_table_partitions) * rpp
+  ]
+  want = dense_forward(buf, window, partition_begin)
+  for impl in ("ffi", "reference"):
+    got = _forward(buf, window, impl, partition_begin)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=impl)
+
+
+def decode_truth(buf: Buffers) -> list[tuple[int, int, int, int, float]]:
+  """Plain-Python decoding of the buffers into valid entries."""
+  seg_len = buf.embedding_ids.shape[0] // buf.num_segments
+  stride = buf.row_pointers.shape[0] // buf.num_segments
+  out = []
+  for k in range(buf.num_segments):
+    rp = buf.row_pointers[k * stride : (k + 1) * stride]
+    for p in range(buf.num_partitions):
+      begin = 0 if p == 0 else _r8(max(int(rp[p - 1]), 0))
+      for j in range(begin, min(int(rp[p]), seg_len)):
+        at = k * seg_len + j
+        r, s = int(buf.embedding_ids[at]), int(buf.sample_ids[at])
+        if 0 <= r < buf.rows_per_partition and 0 <= s < buf.samples_per_segment:
+          out.append((k, p, r, s, float(buf.gains[at])))
+  return out
+
+
+def test_decode_truth_matches_builder():
+  buf = make_buffers(21, num_segments=3, num_partitions=4)
+  assert sorted(decode_truth(buf)) == sorted(buf.entries)
+
+
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+def test_overflowed_row_pointers(impl):
+  # An overflow stops filling inside partition 2: later pointers all equal
+  # the stop offset, and the buffer past it holds stale entries.
+  buf = make_buffers(11, num_segments=1, num_partitions=4)
+  rp = buf.row_pointers.copy()
+  stop = _r8(int(rp[1])) + 3
+  rp[2:] = stop
+  buf = dataclasses.replace(buf, row_pointers=rp)
+  buf = dataclasses.replace(buf, entries=decode_truth(buf))
+  assert any(e[1] == 2 for e in buf.entries)
+  assert not any(e[1] == 3 for e in buf.entries)
+  table = _table(buf, 4, seed=1)
+  got = _forward(buf, table, impl)
+  np.testing.assert_allclose(
+    got, dense_forward(buf, table), rtol=1e-5, atol=1e-5
+  )
+  act_grad = np.ones((buf.samples_per_segment, 4), np.float32)
+  new, _ = _grad_call(
+    buf, act_grad, table, (), "sgd", [1.0], impl, **buf.layout()
+  )
+  want = table.astype(np.float64).copy()
+  for r, g in row_grads(buf, act_grad, table.shape[0]).items():
+    want[r] -= g
+  np.testing.assert_allclose(new, want, rtol=1e-5, atol=1e-6)
+
+
+def _grad_call(buf, act_grad, table, slots, opt, hp, impl, **kw):
+  fn = jax.jit(
+    functools.partial(
+      kernels.sparse_dense_matmul_grad,
+      optimizer=opt,
+      implementation=impl,
+      **kw,
+    ),
+  )
+  return fn(
+    jnp.asarray(act_grad),
+    *buf.args(),
+    jnp.asarray(table),
+    tuple(jnp.asarray(s) for s in slots),
+    hyperparameters=jnp.asarray(hp, jnp.float32),
+  )
+
+
+def _forward(buf, table, impl, partition_begin=0):
+  fn = jax.jit(
+    functools.partial(
+      kernels.sparse_dense_matmul,
+      implementation=impl,
+      **buf.layout(partition_begin),
+    )
+  )
+  return fn(*buf.args(), jnp.asarray(table))
+
+
+@pytest.mark.parametrize("opt,hp,mlr", GRAD_CASES)
+@pytest.mark.parametrize("case", ["multi", "empty_parts", "many_parts"])
+def test_grad_ffi_matches_reference(opt, hp, mlr, case):
+  buf = make_buffers(5, **FORWARD_CASES[case])
+  table = _table(buf, 19, seed=2)
+  slots = _slots(opt, table, seed=3)
+  act_grad = (
+    np.random.default_rng(4)
+    .normal(size=(buf.num_segments * buf.samples_per_segment, 19))
+    .astype(np.float32)
+  )
+  kw = dict(buf.layout(), multiply_linear_by_learning_rate=mlr)
+  got = _grad_call(buf, act_grad, table, slots, opt, hp, "ffi", **kw)
+  want = _grad_call(buf, act_grad, table, slots, opt, hp, "reference", **kw)
+  referenced = sorted(row_grads(buf, act_grad, table.shape[0]))
+  untouched = np.setdiff1d(np.arange(table.shape[0]), referenced)
+  for name, g, w, old in zip(
+    ("table",) + kernels.OPTIMIZERS[opt].slot_names,
+    (got[0],) + got[1],
+    (want[0],) + want[1],
+    (table,) + slots,
+    strict=True,
+  ):
+    g, w = np.asarray(g), np.asarray(w)
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)
+    # Unreferenced rows are bit-identical, referenced ones changed.
+    np.testing.assert_array_equal(g[untouched], old[untouched], err_msg=name)
+    np.testing.assert_array_equal(w[untouched], old[untouched], err_msg=name)
+  assert not np.array_equal(np.asarray(got[0])[referenced], table[referenced])
+
+
+def test_grad_sgd_matches_truth_and_gain_zero_row_is_referenced():
+  buf = make_buffers(9, num_segments=3, num_partitions=4)
+  table = _table(buf, 8, seed=1)
+  act_grad = np.random.default_rng(2).normal(size=(48, 8)).astype(np.float32)
+  grads = row_grads(buf, act_grad, table.shape[0])
+  gain_zero_row = 1 * buf.rows_per_partition + buf.rows_per_partition - 2
+  assert gain_zero_row in grads
+  want = table.astype(np.float64).copy()
+  for r, g in grads.items():
+    want[r] -= 0.1 * g
+  for impl in ("ffi", "reference"):
+    new, slots = _grad_call(
+      buf, act_grad, table, (), "sgd", [0.1], impl, **buf.layout()
+    )
+    assert slots == ()
+    np.testing.assert_allclose(new, want, rtol=1e-5, atol=1e-6, err_msg=impl)
+
+
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+def test_grad_partition_window(impl):
+  buf = make_buffers(13, num_segments=2, num_partitions=4)
+  rpp = buf.rows_per_partition
+  full = _table(buf, 8, seed=1)
+  window = full[2 * rpp : 4 * rpp]
+  act_grad = np.random.default_rng(2).normal(size=(32, 8)).astype(np.float32)
+  want = window.astype(np.float64).copy()
+  for r, g in row_grads(buf, act_grad, window.shape[0], pb=2).items():
+    want[r] -= 0.5 * g
+  new, _ = _grad_call(
+    buf, act_grad, window, (), "sgd", [0.5], impl, **buf.layout(2)
+  )
+  np.testing.assert_allclose(new, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+def test_grad_clip_applies_to_table_only(impl):
+  buf = make_buffers(3, num_segments=2, num_partitions=2)
+  table = _table(buf, 8, seed=1)
+  slots = _slots("adagrad", table, seed=2)
+  act_grad = 10 * np.random.default_rng(2).normal(size=(32, 8)).astype(
+    np.float32
+  )
+  new, (acc,) = _grad_call(
+    buf,
+    act_grad,
+    table,
+    slots,
+    "adagrad",
+    [1.0],
+    impl,
+    clip=(-0.25, 0.5),
+    **buf.layout(),
+  )
+  unclipped, (acc2,) = _grad_call(
+    buf, act_grad, table, slots, "adagrad", [1.0], impl, **buf.layout()
+  )
+  referenced = sorted(row_grads(buf, act_grad, table.shape[0]))
+  new = np.asarray(new)
+  assert new[referenced].min() >= -0.25 and new[referenced].max() <= 0.5
+  np.testing.assert_allclose(
+    new[referenced], np.clip(np.asarray(unclipped)[referenced], -0.25, 0.5)
+  )
+  np.testing.assert_array_equal(acc, acc2)
+
+
+def _np_adam(w, m, v, g, alpha, b1, b2, eps):
+  m = m + (1 - b1) * (g - m)
+  v = v + (1 - b2) * (g * g - v)
+  return w - alpha * m / (np.sqrt(v) + eps), m, v
+
+
+def _np_ftrl(w, a, lin, g, lr, k, l1, l2, beta, mlr):
+  a_new = a + g * g
+  p_new = a_new ** (-k)
+  dp = p_new - a ** (-k)
+  if mlr:
+    lin = lin + lr * g - dp * w
+    l1s, den = l1 * lr, p_new + 2 * lr * l2 + beta
+  else:
+    lin = lin + g - dp / lr * w
+    l1s, den = l1, (p_new + beta) / lr + 2 * l2
+  num = -lin if l1 == 0 else np.clip(lin, -l1s, l1s) - lin
+  return num / den, a_new, lin
+
+
+def _adam_hyperparameters(step, lr=0.01, b1=0.9, b2=0.999, eps=1e-7):
+  t = step + 1
+  c = np.sqrt(1 - b2**t)
+  return [lr * c / (1 - b1**t), b1, b2, eps * c]
+
+
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+@pytest.mark.parametrize(
+  "opt,mlr", [("adam", False), ("ftrl", False), ("ftrl", True)]
+)
+def test_three_steps_match_numpy(impl, opt, mlr):
+  bufs = [
+    make_buffers(30 + i, num_segments=2, num_partitions=2) for i in range(3)
+  ]
+  table = _table(bufs[0], 8, seed=1)
+  slots = _slots(opt, table, seed=2)
+  ftrl_hp = [0.1, -0.5, 0.01, 0.05, 0.1]
+  w64, s64 = table.astype(np.float64), [s.astype(np.float64) for s in slots]
+  state = (jnp.asarray(table), tuple(jnp.asarray(s) for s in slots))
+  rng = np.random.default_rng(3)
+  for step, buf in enumerate(bufs):
+    act_grad = rng.normal(size=(32, 8)).astype(np.float32)
+    hp = _adam_hyperparameters(step) if opt == "adam" else ftrl_hp
+    state = _grad_call(
+      buf,
+      act_grad,
+      *state,
+      opt,
+      hp,
+      impl,
+      multiply_linear_by_learning_rate=mlr,
+      **buf.layout(),
+    )
+    for r, g in row_grads(buf, act_grad, table.shape[0]).items():
+      if opt == "adam":
+        w64[r], s64[0][r], s64[1][r] = _np_adam(
+          w64[r], s64[0][r], s64[1][r], g, *hp
+        )
+      else:
+        w64[r], s64[0][r], s64[1][r] = _np_ftrl(
+          w64[r], s64[0][r], s64[1][r], g, *hp, mlr
+        )
+  np.testing.assert_allclose(state[0], w64, rtol=1e-4, atol=1e-5)
+  for got, want in zip(state[1], s64, strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_large_batch_parallel_backward_and_determinism():
+  # Enough entries that the backward splits its key space into many chunks.
+  buf = make_buffers(
+    41,
+    num_segments=2,
+    num_partitions=2,
+    samples_per_segment=512,
+    rows_per_partition=256,
+    ids_per_sample=12,
+  )
+  table = _table(buf, 16, seed=1)
+  slots = _slots("adagrad", table, seed=2)
+  act_grad = np.random.default_rng(3).normal(size=(1024, 16)).astype(np.float32)
+  got = _grad_call(
+    buf, act_grad, table, slots, "adagrad", [0.1], "ffi", **buf.layout()
+  )
+  again = _grad_call(
+    buf, act_grad, table, slots, "adagrad", [0.1], "ffi", **buf.layout()
+  )
+  want = _grad_call(
+    buf, act_grad, table, slots, "adagrad", [0.1], "reference", **buf.layout()
+  )
+  np.testing.assert_array_equal(got[0], again[0])
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got[1][0], want[1][0], rtol=1e-5, atol=1e-6)
+  fwd = _forward(buf, table, "ffi")
+  np.testing.assert_array_equal(fwd, _forward(buf, table, "ffi"))
+  np.testing.assert_allclose(
+    fwd, dense_forward(buf, table), rtol=1e-5, atol=1e-5
+  )
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_backward_is_in_place_with_donation(opt):
+  buf = make_buffers(17, num_segments=2, num_partitions=2)
+  table = jnp.asarray(_table(buf, 8, seed=1))
+  slots = tuple(jnp.asarray(s) for s in _slots(opt, np.asarray(table), seed=2))
+  act_grad = jnp.ones((32, 8), jnp.float32)
+  hp = jnp.asarray(HYPERPARAMETERS[opt], jnp.float32)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(table, slots, act_grad, hp, *bufs):
+    return kernels.sparse_dense_matmul_grad(
+      act_grad,
+      *bufs,
+      table,
+      slots,
+      optimizer=opt,
+      hyperparameters=hp,
+      **buf.layout(),
+    )
+
+  pointers = [x.unsafe_buffer_pointer() for x in (table, *slots)]
+  new_table, new_slots = step(table, slots, act_grad, hp, *buf.args())
+  assert table.is_deleted()
+  assert [
+    x.unsafe_buffer_pointer() for x in (new_table, *new_slots)
+  ] == pointers
+
+
+def test_forward_under_vmap_and_shard_map():
+  buf = make_buffers(19, num_segments=2, num_partitions=2)
+  tables = np.stack([_table(buf, 4, seed=s) for s in range(3)])
+  fwd = functools.partial(kernels.sparse_dense_matmul, **buf.layout())
+  got = jax.jit(jax.vmap(fwd, in_axes=(None,) * 4 + (0,)))(
+    *buf.args(), jnp.asarray(tables)
+  )
+  for i in range(3):
+    np.testing.assert_allclose(
+      got[i], dense_forward(buf, tables[i]), rtol=1e-5, atol=1e-5
+    )
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+  spec = jax.sharding.PartitionSpec("x")
+  sharded = jax.jit(
+    jax.shard_map(
+      fwd, mesh=mesh, in_specs=(spec,) * 4 + (spec,), out_specs=spec
+    )
+  )
+  np.testing.assert_allclose(
+    sharded(*buf.args(), jnp.asarray(tables[0])),
+    dense_forward(buf, tables[0]),
+    rtol=1e-5,
+    atol=1e-5,
+  )
+
+
+def _error_operands():
+  buf = make_buffers(23, num_segments=2, num_partitions=2)
+  table = jnp.asarray(_table(buf, 4, seed=1))
+  return buf, table
+
+
+@pytest.mark.parametrize(
+  "change,match",
+  [
+    (dict(embedding_ids=np.zeros(3, np.int32)), "same length"),
+    (dict(sample_ids=np.zeros(256, np.float32)), "dtype int32"),
+    (dict(gains=np.zeros((2, 2), np.float32)), "rank 1"),
+    (dict(row_pointers=np.zeros(3, np.int32)), "row_pointers length"),
+    (dict(table=np.zeros((63, 4), np.float32)), "rows_per_partition"),
+    (dict(table=np.zeros((64, 4), np.int32)), "float32"),
+    (dict(num_segments=0), "positive"),
+    (dict(implementation="gpu"), "implementation"),
+  ],
+)
+def test_forward_errors(change, match):
+  buf, table = _error_operands()
+  rp, ids, sids, gains = buf.args()
+  kw = dict(
+    row_pointers=rp,
+    embedding_ids=ids,
+    sample_ids=sids,
+    gains=gains,
+    table=table,
+    **buf.layout(),
+  )
+  kw.update(
+    {
+      k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
+      for k, v in change.items()
+    }
+  )
+  with pytest.raises(ValueError, match=match):
+    kernels.sparse_dense_matmul(**kw)
+
+
+@pytest.mark.parametrize(
+  "opt,change,match",
+  [
+    (
+      "sgd",
+      dict(activation_grad=np.zeros((31, 4), np.float32)),
+      "activation_grad",
+    ),
+    ("adagrad", dict(slots=()), "needs slots"),
+    (
+      "adam",
+      dict(
+        slots=(np.zeros((64, 4), np.float32),) * 2,
+        hyperparameters=np.zeros(3, np.float32),
+      ),
+      "hyperparameters",
+    ),
+    (
+      "adam",
+      dict(
+        slots=(np.zeros((64, 4), np.float32), np.zeros((64, 5), np.float32))
+      ),
+      "table's shape",
+    ),
+    ("sgd", dict(hyperparameters=np.zeros(1, np.int32)), "float32"),
+    ("sgd", dict(clip=(1.0, -1.0)), "clip"),
+    ("rmsprop", dict(), "Unknown optimizer"),
+  ],
+)
+def test_grad_errors(opt, change, match):
+  buf, table = _error_operands()
+  kw = dict(
+    activation_grad=jnp.zeros((32, 4), jnp.float32),
+    table=table,
+    slots=(),
+    hyperparameters=jnp.ones(1, jnp.float32),
+    optimizer=opt,
+    **buf.layout(),
+  )
+  for k, v in change.items():
+    if k == "slots":
+      v = tuple(jnp.asarray(s) for s in v)
+    elif isinstance(v, np.ndarray):
+      v = jnp.asarray(v)
+    kw[k] = v
+  with pytest.raises(ValueError, match=match):
+    kernels.sparse_dense_matmul_grad(
+      *[x for x in buf.args()][:0], **_grad_positional(buf, kw)
+    )
+
+
+def _grad_positional(buf, kw):
+  rp, ids, sids, gains = buf.args()
+  return dict(
+    kw, row_pointers=rp, embedding_ids=ids, sample_ids=sids, gains=gains
+  )
+
+
+def test_handler_rejects_bad_operands_without_crashing():
+  # Bypass the Python checks: the C++ handler must return an error.
+  from pz_sparsecore.kernels import _common, ffi
+
+  buf, table = _error_operands()
+  layout = _common.check_buffers(*buf.args(), table, **buf.layout())
+  bad = dataclasses.replace(layout, num_partitions=100)
+  with pytest.raises(Exception, match="row_pointers"):
+    jax.block_until_ready(ffi.sparse_dense_matmul(*buf.args(), table, bad))
+  bad = dataclasses.replace(layout, rows_per_partition=5)
+  with pytest.raises(Exception, match="rows_per_partition"):
+    jax.block_until_ready(ffi.sparse_dense_matmul(*buf.args(), table, bad))
