@@ -377,6 +377,11 @@ class StackedTableSpec:
     """A copy with `changes` applied."""
     return dataclasses.replace(self, **changes)
 
+  def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
+    from pz_sparsecore import _treescope
+
+    return _treescope.render_spec(self, path, subtree_renderer)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TableSpec:
@@ -440,6 +445,11 @@ class TableSpec:
   def replace(self, **changes: Any) -> TableSpec:
     """A copy with `changes` applied."""
     return dataclasses.replace(self, **changes)
+
+  def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
+    from pz_sparsecore import _treescope
+
+    return _treescope.render_spec(self, path, subtree_renderer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -517,3 +527,8 @@ class FeatureSpec:
   def replace(self, **changes: Any) -> FeatureSpec:
     """A copy with `changes` applied."""
     return dataclasses.replace(self, **changes)
+
+  def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
+    from pz_sparsecore import _treescope
+
+    return _treescope.render_spec(self, path, subtree_renderer)

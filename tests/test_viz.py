@@ -1,0 +1,344 @@
+"""Tests of the Treescope summaries and figures (`viz`, `_treescope`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import treescope
+from treescope import layout_algorithms, lowering, rendering_parts
+
+from pz_sparsecore import layout, specs, viz
+from pz_sparsecore.nn import SparseCoreEmbed
+from pz_sparsecore.preprocess import PAD_ID, SparseDenseMatmulInputStats
+
+NUM_DEVICES = 4
+BATCH = 16
+VALENCY = 3
+
+
+def _init(key, shape, dtype=jnp.float32):
+  return jax.random.normal(key, shape, dtype)
+
+
+def _features(limit=None):
+  opt = specs.AdagradOptimizerSpec(learning_rate=0.1)
+  tb = specs.TableSpec(
+    name="tb",
+    vocabulary_size=70,
+    embedding_dim=8,
+    initializer=_init,
+    optimizer=opt,
+    combiner="sum",
+  )
+  ta = specs.TableSpec(
+    name="ta",
+    vocabulary_size=40,
+    embedding_dim=4,
+    initializer=_init,
+    optimizer=opt,
+    combiner="sum",
+  )
+  features = {
+    "fa": specs.FeatureSpec(
+      name="fa",
+      table_spec=ta,
+      input_shape=(BATCH, VALENCY),
+      output_shape=(BATCH, 4),
+    ),
+    "fb": specs.FeatureSpec(
+      name="fb",
+      table_spec=tb,
+      input_shape=(BATCH, VALENCY),
+      output_shape=(BATCH, 8),
+    ),
+  }
+  kwargs = {}
+  if limit is not None:
+    kwargs = dict(
+      stack_to_max_ids_per_partition=lambda name, count: limit,
+      stack_to_max_unique_ids_per_partition=lambda name, count: limit,
+    )
+  return features, lambda g, s: layout.stack_tables(
+    features, ["tb", "ta"], g, s, rotation=1, stack_name="tb_ta", **kwargs
+  )
+
+
+def _mesh():
+  return jax.sharding.Mesh(np.array(jax.devices()[:NUM_DEVICES]), ("device",))
+
+
+@pytest.fixture(scope="module")
+def embed():
+  _, stacked = _features()
+  return SparseCoreEmbed.from_config(
+    "emb", jax.random.key(0), stacked(NUM_DEVICES, 1), _mesh()
+  )
+
+
+@pytest.fixture(scope="module")
+def ids():
+  rng = np.random.default_rng(0)
+  return {
+    "fa": rng.integers(0, 40, (BATCH, VALENCY)),
+    "fb": rng.integers(0, 70, (BATCH, VALENCY)),
+  }
+
+
+def _text(obj, depth):
+  part = treescope.active_renderer.get().to_foldable_representation(obj)
+  part = rendering_parts.build_full_line_with_annotations(part)
+  layout_algorithms.expand_to_depth(part, depth)
+  return lowering.render_to_text_as_root(part)
+
+
+def _figure_text(figure):
+  return lowering.render_to_text_as_root(figure.treescope_part)
+
+
+SUMMARY = (
+  "SparseCoreEmbed('emb': 2 features, stacks tb_ta[40 rows/shard x 8]; "
+  "4 devices x 1 SC on 'device')"
+)
+
+DESCRIPTION = """\
+SparseCoreEmbed('emb': 2 features, stacks tb_ta[40 rows/shard x 8]; \
+4 devices x 1 SC on 'device')
+  stack 'tb_ta': 4 shards x 40 rows x 8, adagrad(lr=0.1), sum, 32 samples, \
+limits ids 256 / unique 256
+    tb: vocab 70 x 8, rows [0, 24) of each shard, rotation 0; features fb
+    ta: vocab 40 x 4, rows [24, 40) of each shard, rotation 1; features fa"""
+
+
+# ---------------------------------------------------------------------------
+# Summaries.
+
+
+def test_embed_collapsed_is_one_line_summary(embed):
+  assert _text(embed, 0) == SUMMARY
+  assert repr(embed) == SUMMARY  # pz.Struct's repr: treescope on one line.
+
+
+def test_embed_expanded_shows_stacks_and_variables(embed):
+  text = _text(embed, 1)
+  assert text.startswith(f"SparseCoreEmbed(  # {SUMMARY[16:-1]}\n")
+  assert "  #   ta: vocab 40 x 4, rows [24, 40) of each shard, rotation 1" in (
+    text
+  )
+  assert "tables={'tb_ta': Parameter(label='emb/tb_ta.embeddings'" in text
+  assert "sc_shard:4, sc_row:40, embedding:8" in text
+  assert "'accumulator': StateVariable(" in text
+
+
+def test_describe_embed_golden(embed):
+  assert viz.describe(embed) == DESCRIPTION
+
+
+def test_embed_with_parameter_slots():
+  _, stacked = _features()
+  slots = SparseCoreEmbed.from_config(
+    "emb", None, stacked(NUM_DEVICES, 1), _mesh()
+  )
+  assert _text(slots, 0) == SUMMARY
+  assert "ParameterSlot(label='emb/tb_ta.embeddings')" in _text(slots, 1)
+  assert "rotation 1" in viz.to_html(slots)
+  with pytest.raises(ValueError, match="unbound ParameterSlot"):
+    viz.table_values_figure(slots)
+
+
+def test_embed_html_has_summary_and_array_views(embed):
+  html = viz.to_html(embed)
+  assert "tb_ta[40 rows/shard x 8]" in html
+  assert "rows [24, 40) of each shard" in html
+  assert "arrayviz" in html
+  assert "Sharded across 4" in html
+
+
+def test_spec_summaries(embed):
+  fa, fb = embed.config.feature_specs
+  assert _text(fa.table_spec, 0) == (
+    "TableSpec('ta': 40 x 4, adagrad(lr=0.1), sum; in 'tb_ta' at row 24, "
+    "rotation 1)"
+  )
+  assert _text(fb, 0) == (
+    "FeatureSpec('fb' -> 'tb': input [16, 3], output [16, 8]; samples "
+    "[16, 32) of 'tb_ta')"
+  )
+  assert _text(fa.table_spec.stacked_table_spec, 0) == (
+    "StackedTableSpec('tb_ta': 160 x 8, adagrad(lr=0.1), sum, 32 samples, "
+    "limits 256 / 256)"
+  )
+  # Roundtrip mode keeps a valid constructor call.
+  text = treescope.render_to_text(fa.table_spec, roundtrip_mode=True)
+  assert text.startswith("pz_sparsecore.specs.TableSpec(\n  name='ta',")
+  assert "#" not in text
+
+
+def test_inputs_valid_entries(embed, ids):
+  inputs, _ = embed.preprocess(ids)
+  # Independent count: distinct (sample, id) pairs of every feature.
+  expected = sum(
+    len({(r, int(i)) for r, row in enumerate(v) for i in row})
+    for v in ids.values()
+  )
+  pad_count = int(
+    np.sum(np.asarray(inputs.lhs_embedding_ids["tb_ta"]) != PAD_ID)
+  )
+  assert pad_count == expected
+  size = NUM_DEVICES * 1024
+  line = f"{expected} valid entries of {size} ({expected / size:.1%})"
+  assert _text(inputs, 0) == f"PreprocessedInput(1 stack, {line})"
+  assert viz.describe(inputs, embed) == (
+    f"PreprocessedInput(1 stack, {line})\n"
+    f"  tb_ta: row pointers int32[32], COO buffers int32[{size}]; {line}"
+  )
+
+  seen = []
+
+  @jax.jit
+  def traced(x):
+    seen.append(_text(x, 1))
+    return x.lhs_gains["tb_ta"].sum()
+
+  traced(inputs)
+  assert "# tb_ta: row pointers int32[32], COO buffers int32[4096]\n" in seen[0]
+  assert "valid" not in seen[0]
+
+
+def _stats(max_ids, unique=None, drops=0):
+  max_ids = np.asarray(max_ids, np.int32)
+  unique = max_ids if unique is None else np.asarray(unique, np.int32)
+  return SparseDenseMatmulInputStats(
+    max_ids_per_partition={"tb_ta": max_ids},
+    max_unique_ids_per_partition={"tb_ta": unique},
+    required_buffer_size_per_sc={"tb_ta": np.full(NUM_DEVICES, 40, np.int32)},
+    id_drop_counters={"tb_ta": drops},
+  )
+
+
+def test_stats_summary_and_heatmap_mark_over_limit(embed):
+  counts = np.full((NUM_DEVICES, NUM_DEVICES), 5, np.int32)
+  counts[1, 2] = 300
+  stats = _stats(counts.reshape(-1), drops=44)
+  assert (
+    _text(stats, 0) == "SparseDenseMatmulInputStats(1 stack, 44 ids dropped)"
+  )
+  assert viz.describe(stats, embed).splitlines()[1] == (
+    "  tb_ta: max ids 300/256 OVER, max unique 300/256 OVER, required buffer "
+    "40/1024 per SC, dropped 44"
+  )
+  figure = viz.stats_heatmap(stats, embed)
+  text = _figure_text(figure)
+  assert "OVER LIMIT (2):" in text
+  assert "ids: device 1 -> partition 2 (device 2, SC 0): 300 > 256" in text
+  html = viz.to_html(figure)
+  assert "OVER LIMIT" in html and "arrayviz" in html
+  # From feature specs alone (topology inferred from the stats).
+  specs_text = _figure_text(
+    viz.stats_heatmap(stats, embed.config.feature_specs)
+  )
+  assert specs_text == text
+
+  ok = _figure_text(
+    viz.stats_heatmap(_stats(counts.clip(max=7).ravel()), embed)
+  )
+  assert "all partitions within the limits" in ok
+
+
+def test_stats_heatmap_from_preprocess_with_dropping(ids):
+  _, stacked = _features(limit=2)
+  small = SparseCoreEmbed.from_config(
+    "small", jax.random.key(0), stacked(NUM_DEVICES, 1), _mesh()
+  )
+  with pytest.warns(UserWarning, match="dropped"):
+    _, stats = small.preprocess(ids, allow_id_dropping=True)
+  assert int(np.sum(stats.id_drop_counters["tb_ta"])) > 0
+  text = _figure_text(viz.stats_heatmap(stats, small))
+  assert "OVER LIMIT" in text
+  counts = np.asarray(stats.max_ids_per_partition["tb_ta"]).reshape(-1, 4)
+  d, p = np.argwhere(counts > 2)[0]
+  assert f"ids: device {d} -> partition {p} " in text
+
+
+# ---------------------------------------------------------------------------
+# Shard map and row placement.
+
+
+@pytest.mark.parametrize("devices,sc", [(4, 1), (2, 2)])
+def test_shard_table_index_matches_stacked_tables(devices, sc):
+  _, stacked = _features()
+  prepared = layout.prepare_feature_specs_for_training(
+    stacked(devices, sc), devices, sc
+  )
+  n = devices * sc
+  owner = viz.shard_table_index(prepared, n, "tb_ta")
+  # Reference: stack constant tables (1 for tb, 2 for ta; padding 0).
+  tables = layout.get_table_specs(prepared)
+  marked = {
+    name: np.full((t.vocabulary_size, t.embedding_dim), k + 1.0)
+    for k, (name, t) in enumerate(tables.items())
+  }
+  ref = layout.stack_and_shard_tables(prepared, marked, n, pad_value=0.0)
+  ref = ref["tb_ta"][:, :, 0].astype(int) - 1
+  order = {name: k for k, name in enumerate(["tb", "ta"])}
+  remap = {-1: -1} | {k: order[name] for k, name in enumerate(tables)}
+  np.testing.assert_array_equal(owner, np.vectorize(remap.get)(ref))
+  # 70 rows of tb over 4 shards: shards 0, 1 get 18, shards 2, 3 get 17.
+  assert owner.shape == (4, 40)
+  np.testing.assert_array_equal((owner[:, :24] == 0).sum(1), [18, 18, 17, 17])
+
+
+def test_shard_map_figure(embed):
+  figure = viz.shard_map_figure(embed)
+  text = _figure_text(figure)
+  assert "stack 'tb_ta': 4 shards (4 devices x 1 SC), 40 rows/shard x 8" in text
+  assert (
+    "ta: vocab 40 (padded 64) x 4, 16 rows/shard at [24, 40), rotation 1"
+  ) in text
+  assert "padding" in text
+  html = viz.to_html(figure)
+  assert "arrayviz" in html and "rows/shard at [0, 24)" in html
+
+  features, _ = _features()
+  from_specs = viz.shard_map_figure(
+    features, global_device_count=2, num_sc_per_device=2
+  )
+  text = _figure_text(from_specs)
+  assert "stack 'ta': 4 shards (2 devices x 2 SC), 16 rows/shard x 8" in text
+  assert "stack 'tb': 4 shards (2 devices x 2 SC), 24 rows/shard x 8" in text
+  with pytest.raises(ValueError, match="global_device_count"):
+    viz.shard_map_figure(features)
+
+
+def test_row_placement_layout_example(embed):
+  place = viz.row_placement(embed, "ta", [13])
+  assert {k: int(v[0]) for k, v in place.items()} == {
+    "id": 13,
+    "shard": 2,
+    "device": 2,
+    "sparsecore": 0,
+    "row_in_shard": 27,
+    "physical_row": 107,
+  }
+  text = _figure_text(viz.row_owner_figure(embed, "ta", num_listed=2))
+  assert "row i on shard (i % 4 + 1) % 4, at row 24 + i // 4" in text
+  assert "    0      1       1   0            24            64" in text
+  assert "    2      3" not in text
+
+
+def test_table_values_figure(embed):
+  figure = viz.table_values_figure(embed)
+  text = _figure_text(figure)
+  assert "stack 'tb_ta': emb/tb_ta.embeddings [4 shards x 40 rows x 8]" in text
+  assert "device sharding:" in text
+  html = viz.to_html(figure)
+  assert "arrayviz" in html
+  with pytest.raises(ValueError, match="unknown stack"):
+    viz.table_values_figure(embed, "nope")
+
+
+def test_to_html_compression(embed):
+  figure = viz.shard_map_figure(embed)
+  assert "rows/shard" in viz.to_html(figure)
+  assert "rows/shard" not in viz.to_html(figure, compressed=True)
