@@ -1,0 +1,214 @@
+"""Every malformed input, through the public API: a clear ValueError that
+names the feature, and tables, slots and specs left exactly as they were."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from penzai import pz
+
+import pz_sparsecore as pzsc
+
+VOCAB, DIM, BATCH = 64, 8, 16
+
+
+@pytest.fixture(scope="module")
+def embed():
+  table = pzsc.TableSpec(
+    name="words",
+    vocabulary_size=VOCAB,
+    embedding_dim=DIM,
+    initializer=jax.nn.initializers.normal(),
+    optimizer=pzsc.AdagradOptimizerSpec(learning_rate=0.1),
+    combiner="mean",
+    max_ids_per_partition=16,
+    max_unique_ids_per_partition=16,
+  )
+  features = {
+    "words": pzsc.FeatureSpec(
+      name="words",
+      table_spec=table,
+      input_shape=(BATCH, 3),
+      output_shape=(BATCH, DIM),
+    )
+  }
+  mesh = Mesh(np.array(jax.devices()[:4]), ("device",))
+  return pzsc.SparseCoreEmbed.from_config(
+    "emb", jax.random.key(0), features, mesh
+  )
+
+
+def _snapshot(embed):
+  return (
+    embed.logical_tables(),
+    embed.logical_slots(),
+    embed.config.feature_specs,
+  )
+
+
+def _assert_unchanged(embed, before):
+  tables, slots, specs = _snapshot(embed)
+  for name, value in before[0].items():
+    np.testing.assert_array_equal(tables[name], value)
+  for name, value in before[1].items():
+    for slot, array in value.items():
+      np.testing.assert_array_equal(slots[name][slot], array)
+  assert specs == before[2]
+
+
+def _ids(seed=0, shape=(BATCH, 3)):
+  return np.random.default_rng(seed).integers(0, VOCAB, shape)
+
+
+def _one_partition():
+  """Distinct ids that all live in partition 0: 32 pairs per device > 16."""
+  return np.random.default_rng(1).integers(0, VOCAB // 4, (BATCH, 8)) * 4
+
+
+def _ragged(rows):
+  out = np.empty(len(rows), dtype=object)
+  out[:] = [np.asarray(r, dtype=np.int32) for r in rows]
+  return out
+
+
+def _with(array, index, value):
+  array = np.array(array)
+  array[index] = value
+  return array
+
+
+BAD_INPUTS = {
+  "id above vocabulary": (
+    lambda: ({"words": _with(_ids(), (5, 1), VOCAB)}, None),
+    r"feature 'words'.*64",
+  ),
+  "negative id": (
+    lambda: ({"words": _with(_ids(), (2, 0), -1)}, None),
+    r"feature 'words'.*-1",
+  ),
+  "float ids": (
+    lambda: ({"words": _ids().astype(np.float32)}, None),
+    r"feature 'words'.*float",
+  ),
+  "NaN weight": (
+    lambda: (
+      {"words": _ids()},
+      {"words": _with(np.ones((BATCH, 3), np.float32), (3, 2), np.nan)},
+    ),
+    r"feature 'words'.*(NaN|nan|finite)",
+  ),
+  "infinite weight": (
+    lambda: (
+      {"words": _ids()},
+      {"words": _with(np.ones((BATCH, 3), np.float32), (0, 0), np.inf)},
+    ),
+    r"feature 'words'.*(inf|finite)",
+  ),
+  "ragged weights do not match ids": (
+    lambda: (
+      {"words": _ragged([[1, 2]] * BATCH)},
+      {"words": _ragged([[1.0]] * BATCH)},
+    ),
+    r"feature 'words'",
+  ),
+  "wrong feature name": (
+    lambda: ({"wordz": _ids()}, None),
+    r"(structure|words|wordz)",
+  ),
+  "batch not divisible": (
+    lambda: ({"words": _ids(shape=(BATCH - 2, 3))}, None),
+    r"feature 'words'",
+  ),
+  "empty batch": (
+    lambda: ({"words": _ids(shape=(0, 3))}, None),
+    r"feature 'words'",
+  ),
+  "limits exceeded without dropping": (
+    lambda: ({"words": _one_partition()}, None),
+    r"words.*partition.*max_ids_per_partition",
+  ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_raises_and_changes_nothing(embed, case):
+  make, pattern = BAD_INPUTS[case]
+  features, weights = make()
+  before = _snapshot(embed)
+  with pytest.raises(ValueError, match=pattern):
+    embed.preprocess(features, weights)
+  _assert_unchanged(embed, before)
+
+
+def test_limits_exceeded_with_dropping_is_allowed(embed):
+  inputs, stats = embed.preprocess(
+    {"words": _one_partition()}, allow_id_dropping=True
+  )
+  assert stats.id_drop_counters["words"] > 0
+
+
+def test_oversized_suggested_buffer(embed):
+  stack = embed.config.stacks["words"]
+  too_big = stack.replace(suggested_coo_buffer_size_per_device=10**6)
+  specs = jax.tree.map(
+    lambda f: f.replace(
+      table_spec=f.table_spec.replace(stacked_table_spec=too_big)
+    ),
+    embed.config.specs_tree,
+  )
+  before = _snapshot(embed)
+  with pytest.raises(ValueError, match=r"words"):
+    pzsc.preprocess_sparse_dense_matmul_input(
+      {"words": _ids()}, None, specs, 4, 4, num_sc_per_device=1
+    )
+  _assert_unchanged(embed, before)
+
+
+@pytest.mark.parametrize(
+  "field, dtype",
+  [
+    ("lhs_embedding_ids", np.float32),
+    ("lhs_gains", np.int32),
+    ("lhs_row_pointers", np.int16),
+  ],
+)
+def test_wrong_dtype_buffers_fed_to_the_layer(embed, field, dtype):
+  inputs, _ = embed.preprocess({"words": _ids()})
+  bad = dataclasses.replace(
+    inputs,
+    **{field: {k: v.astype(dtype) for k, v in getattr(inputs, field).items()}},
+  )
+  before = _snapshot(embed)
+  with pytest.raises(ValueError, match=r"words"):
+    pz.variable_jit(lambda e, x: e(x))(embed, bad)
+  _assert_unchanged(embed, before)
+
+
+def test_wrong_shape_buffers_fed_to_the_layer(embed):
+  inputs, _ = embed.preprocess({"words": _ids()})
+  bad = dataclasses.replace(
+    inputs,
+    lhs_sample_ids={k: v[:-8] for k, v in inputs.lhs_sample_ids.items()},
+  )
+  with pytest.raises(ValueError, match=r"words"):
+    pz.variable_jit(lambda e, x: e(x))(embed, bad)
+
+
+def test_not_preprocessed_input(embed):
+  with pytest.raises(ValueError, match=r"PreprocessedInput"):
+    pz.variable_jit(lambda e, x: e(x))(embed, {"words": _ids()})
+
+
+def test_bad_logical_tables_write_nothing(embed):
+  before = _snapshot(embed)
+  with pytest.raises(ValueError, match=r"unknown table"):
+    embed.set_logical_tables({"nope": np.zeros((VOCAB, DIM))})
+  with pytest.raises(ValueError, match=r"words.*shape"):
+    embed.set_logical_tables({"words": np.zeros((VOCAB + 1, DIM))})
+  with pytest.raises(ValueError, match=r"words.*finite"):
+    embed.set_logical_tables({"words": np.full((VOCAB, DIM), np.nan)})
+  _assert_unchanged(embed, before)
