@@ -42,6 +42,29 @@ ffi::Error CheckMatrix(const ffi::AnyBuffer& buffer, int64_t rows,
   return ffi::Error::Success();
 }
 
+int64_t LeadingRows(const ffi::AnyBuffer& buffer) {
+  const auto dims = buffer.dimensions();
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < dims.size(); ++i) rows *= dims[i];
+  return rows;
+}
+
+ffi::Error CheckRows(const ffi::AnyBuffer& buffer, int64_t rows, int64_t cols,
+                     const char* name) {
+  if (buffer.element_type() != ffi::DataType::F32 ||
+      buffer.dimensions().size() < 2) {
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       " must be float32 of rank >= 2");
+  }
+  if (LeadingRows(buffer) != rows || buffer.dimensions().back() != cols) {
+    return ffi::Error::InvalidArgument(
+        std::string(name) + " must hold " + Str(rows) + " rows of " +
+        Str(cols) + ", got " + Str(LeadingRows(buffer)) + " rows of " +
+        Str(buffer.dimensions().back()));
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error MakeCooView(const LayoutAttrs& attrs,
                        const ffi::AnyBuffer& row_pointers,
                        const ffi::AnyBuffer& embedding_ids,
@@ -71,8 +94,10 @@ ffi::Error MakeCooView(const LayoutAttrs& attrs,
   if (auto e = CheckBuffer(gains, DataType::F32, 1, "gains"); e.failure()) {
     return e;
   }
-  if (auto e = CheckBuffer(table, DataType::F32, 2, "table"); e.failure()) {
-    return e;
+  if (table.element_type() != DataType::F32 ||
+      table.dimensions().size() < 2) {
+    return ffi::Error::InvalidArgument(
+        "table must be float32 of rank >= 2 (rows..., dim)");
   }
   const int64_t n = static_cast<int64_t>(embedding_ids.element_count());
   if (static_cast<int64_t>(sample_ids.element_count()) != n ||
@@ -93,10 +118,10 @@ ffi::Error MakeCooView(const LayoutAttrs& attrs,
         Str(attrs.num_segments) + ") times a stride >= num_partitions (" +
         Str(attrs.num_partitions) + ")");
   }
-  const auto tdims = table.dimensions();
-  if (tdims[0] % attrs.rows_per_partition != 0) {
+  const int64_t table_rows = LeadingRows(table);
+  if (table_rows % attrs.rows_per_partition != 0) {
     return ffi::Error::InvalidArgument(
-        "table rows " + Str(tdims[0]) +
+        "table rows " + Str(table_rows) +
         " are not a multiple of rows_per_partition " +
         Str(attrs.rows_per_partition));
   }
@@ -107,8 +132,8 @@ ffi::Error MakeCooView(const LayoutAttrs& attrs,
   view->attrs = attrs;
   view->seg_len = n / attrs.num_segments;
   view->rp_stride = nrp / attrs.num_segments;
-  view->num_table_partitions = tdims[0] / attrs.rows_per_partition;
-  view->dim = tdims[1];
+  view->num_table_partitions = table_rows / attrs.rows_per_partition;
+  view->dim = table.dimensions().back();
   return ffi::Error::Success();
 }
 

@@ -83,6 +83,15 @@ ffi::Error MakeCooView(const LayoutAttrs& attrs,
 // Non-empty slices of partitions inside the table window, segment-major.
 std::vector<Slice> CollectSlices(const CooView& view);
 
+// Rows of a table-like buffer of rank >= 2: the product of all but the last
+// dimension (tables may be passed as [shards, rows, dim] without a reshape,
+// which would make XLA copy around the in-place update).
+int64_t LeadingRows(const ffi::AnyBuffer& buffer);
+
+// Checks that `buffer` is f32 of rank >= 2 holding `rows` rows of `cols`.
+ffi::Error CheckRows(const ffi::AnyBuffer& buffer, int64_t rows, int64_t cols,
+                     const char* name);
+
 // Checks that `buffer` is f32 with exactly `rows` x `cols` elements.
 ffi::Error CheckMatrix(const ffi::AnyBuffer& buffer, int64_t rows,
                        int64_t cols, const char* name);

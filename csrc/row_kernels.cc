@@ -1,6 +1,7 @@
 #include "row_kernels.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -20,7 +21,10 @@ namespace pzsc {
 namespace {
 
 // How many entries ahead the table rows are prefetched.
-constexpr int64_t kPrefetchDistance = 8;
+const int64_t kPrefetchDistance = [] {
+  const char* v = std::getenv("PZSC_PD");
+  return v ? std::atoll(v) : 8;
+}();
 
 inline void PrefetchRow(const float* row, int64_t dim) {
   const char* p = reinterpret_cast<const char*>(row);
@@ -78,6 +82,49 @@ void ForwardRows(const ForwardPlan& plan, const float* table, int64_t dim,
       }
       Axpy(gains[j], table + rows[j] * dim, o, dim);
     }
+  }
+}
+
+PZSC_MULTIVERSION
+void ForwardOutputRange(const CooView& view, const std::vector<Slice>& slices,
+                        const float* table, int64_t out_begin, int64_t out_end,
+                        float* out, std::vector<ForwardEntry>* scratch) {
+  const int64_t dim = view.dim;
+  const int64_t spp = view.attrs.samples_per_segment;
+  const int64_t rpp = view.attrs.rows_per_partition;
+  const uint64_t width = static_cast<uint64_t>(out_end - out_begin);
+  std::fill(out + out_begin * dim, out + out_end * dim, 0.0f);
+  int64_t total = 0;
+  for (const Slice& s : slices) total += s.end - s.begin;
+  scratch->resize(total);
+  ForwardEntry* __restrict entries = scratch->data();
+  const int32_t* __restrict ids = view.ids;
+  const int32_t* __restrict sids = view.sample_ids;
+  const float* __restrict gains = view.gains;
+  // Branch-free compaction: every entry is written, kept ones advance n.
+  int64_t n = 0;
+  for (const Slice& s : slices) {
+    const int64_t base = s.segment * spp - out_begin;
+    if (base >= out_end - out_begin || base + spp <= 0) continue;
+    const int64_t row_base = s.partition * rpp;
+    for (int64_t j = s.begin; j < s.end; ++j) {
+      const int32_t id = ids[j];
+      const int32_t sid = sids[j];
+      const int64_t r = base + sid;
+      const bool keep = id != kPadId && static_cast<uint32_t>(id) < rpp &&
+                        static_cast<uint32_t>(sid) < spp &&
+                        static_cast<uint64_t>(r) < width;
+      entries[n] = {(row_base + id) * dim, gains[j], static_cast<int32_t>(r)};
+      n += keep;
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + kPrefetchDistance < n) {
+      PrefetchRow(table + entries[j + kPrefetchDistance].table_offset, dim);
+    }
+    const ForwardEntry& e = entries[j];
+    Axpy(e.gain, table + e.table_offset, out + (out_begin + e.out_row) * dim,
+         dim);
   }
 }
 

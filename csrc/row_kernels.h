@@ -41,6 +41,22 @@ struct BackwardPlan {
   float clip_max;
 };
 
+// Scratch of ForwardOutputRange: one valid entry of the output range.
+struct ForwardEntry {
+  int64_t table_offset;  // Element offset of the table row.
+  float gain;
+  int32_t out_row;  // Relative to the range start.
+};
+
+// out[r, :] for r in [out_begin, out_end) (all others untouched): zeroes the
+// range, collects its valid entries (slices in order, buffer order within a
+// slice) into `scratch`, then adds gain * table row for each in that order.
+// Every output row thus sums its entries in a fixed order, however the
+// output rows are split between calls.
+void ForwardOutputRange(const CooView& view, const std::vector<Slice>& slices,
+                        const float* table, int64_t out_begin, int64_t out_end,
+                        float* out, std::vector<ForwardEntry>* scratch);
+
 // Updates every referenced table row whose key p * rows_per_partition + row
 // lies in [key_begin, key_end): sums gain * activation_grad over all its
 // entries (segment order, then buffer order), then applies the optimizer.

@@ -12,8 +12,13 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
 
 #include "coo_layout.h"
+#include "huge_pages.h"
 #include "parallel_for.h"
 #include "row_kernels.h"
 #include "xla/ffi/api/ffi.h"
@@ -48,11 +53,32 @@ ffi::Error SparseDenseMatmulImpl(
   const float* table_data = table.typed_data<float>();
   float* out_data = out->typed_data<float>();
   if (view.dim == 0 || num_out == 0) return ffi::Error::Success();
+  static const bool trace = std::getenv("PZSC_TRACE") != nullptr;
+  auto now = [] { return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count(); };
+  const double t0 = now();
+  AdviseHugePages(table_data, table.size_bytes());
+  const double t1 = now();
 
   // Group the valid entries by output row with a parallel stable counting
   // sort: chunk c counts its entries per output row, an exclusive scan over
   // (row, chunk) gives each chunk its write positions, chunk c fills them.
   const std::vector<Slice> slices = CollectSlices(view);
+  static const bool use_sort = std::getenv("PZSC_FWD_SORT") != nullptr;
+  if (!use_sort) {
+    int64_t tot = 0;
+    for (const Slice& s : slices) tot += s.end - s.begin;
+    static const int64_t cpw = std::getenv("PZSC_CPW") ? std::atoll(std::getenv("PZSC_CPW")) : 2;
+    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(
+        {NumWorkers(pool) * cpw, tot / 8192, num_out}));
+    const double t2 = now();
+    ParallelFor(pool, chunks, [&](int64_t c) {
+      thread_local std::vector<ForwardEntry> scratch;
+      ForwardOutputRange(view, slices, table_data, num_out * c / chunks,
+                         num_out * (c + 1) / chunks, out_data, &scratch);
+    });
+    if (trace) fprintf(stderr, "advise %.3f direct %.3f chunks %ld\n", t1 - t0, now() - t2, (long)chunks);
+    return ffi::Error::Success();
+  }
   std::vector<int64_t> slice_start(slices.size() + 1, 0);
   for (size_t i = 0; i < slices.size(); ++i) {
     slice_start[i + 1] = slice_start[i] + slices[i].end - slices[i].begin;
@@ -108,6 +134,7 @@ ffi::Error SparseDenseMatmulImpl(
     });
   });
 
+  const double t2 = now();
   const ForwardPlan plan{offsets.data(), rows.data(), entry_gains.data(),
                          num_entries};
   const int64_t num_row_chunks = (num_out + kRowsPerChunk - 1) / kRowsPerChunk;
@@ -117,6 +144,7 @@ ffi::Error SparseDenseMatmulImpl(
     const int64_t r1 = std::min(num_out, r0 + kRowsPerChunk);
     ForwardRows(plan, table_data, dim, r0, r1, out_data);
   });
+  if (trace) fprintf(stderr, "advise %.3f sort %.3f gather %.3f workers %ld\n", t1 - t0, t2 - t1, now() - t2, (long)NumWorkers(pool));
   return ffi::Error::Success();
 }
 

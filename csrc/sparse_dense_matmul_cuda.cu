@@ -211,7 +211,7 @@ ffi::Error SgdCudaImpl(cudaStream_t stream, ffi::AnyBuffer activation_grad,
   if (hyper->element_count() != 1) {
     return ffi::Error::InvalidArgument("sgd takes 1 hyperparameter");
   }
-  if (auto err = CheckMatrix(*table_out, table.dimensions()[0], view.dim,
+  if (auto err = CheckRows(*table_out, LeadingRows(table), view.dim,
                              "table result");
       err.failure()) {
     return err;

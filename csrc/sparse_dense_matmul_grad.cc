@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "coo_layout.h"
+#include "huge_pages.h"
 #include "optimizers.h"
 #include "parallel_for.h"
 #include "row_kernels.h"
@@ -33,11 +34,15 @@ constexpr int64_t kChunksPerWorker = 4;
 // Split keys are quantiles of about this many sampled keys per chunk.
 constexpr int64_t kSamplesPerChunk = 16;
 
-// Copies `from` into `to` unless XLA already aliased them.
+// Copies `from` into `to` unless XLA already aliased them, then asks for
+// huge pages behind `to` (see huge_pages.h). A fresh `to` is advised before
+// the copy, so that the copy faults it in as huge pages directly.
 void CopyIfDistinct(const ffi::AnyBuffer& from, ffi::AnyBuffer& to) {
   if (from.untyped_data() != to.untyped_data()) {
+    AdviseHugePagesBeforeFirstTouch(to.untyped_data(), to.size_bytes());
     std::memcpy(to.untyped_data(), from.untyped_data(), from.size_bytes());
   }
+  AdviseHugePages(to.untyped_data(), to.size_bytes());
 }
 
 // Splits the key space [0, num_table_partitions * rpp) into chunks of about
@@ -92,7 +97,7 @@ ffi::Error SparseDenseMatmulGradImpl(
       err.failure()) {
     return err;
   }
-  const int64_t num_rows = table.dimensions()[0];
+  const int64_t num_rows = LeadingRows(table);
   if (auto err = CheckMatrix(activation_grad, view.num_outputs(), view.dim,
                              "activation_grad");
       err.failure()) {
@@ -103,7 +108,7 @@ ffi::Error SparseDenseMatmulGradImpl(
         "expected " + std::to_string(kSlots) +
         " slot operands and results plus the hyperparameters");
   }
-  if (auto err = CheckMatrix(*table_out, num_rows, view.dim, "table result");
+  if (auto err = CheckRows(*table_out, num_rows, view.dim, "table result");
       err.failure()) {
     return err;
   }
@@ -114,11 +119,11 @@ ffi::Error SparseDenseMatmulGradImpl(
     auto slot_out = slots_out.get<ffi::AnyBuffer>(s);
     if (slot.has_error()) return slot.error();
     if (slot_out.has_error()) return slot_out.error();
-    if (auto err = CheckMatrix(*slot, num_rows, view.dim, "slot");
+    if (auto err = CheckRows(*slot, num_rows, view.dim, "slot");
         err.failure()) {
       return err;
     }
-    if (auto err = CheckMatrix(**slot_out, num_rows, view.dim, "slot result");
+    if (auto err = CheckRows(**slot_out, num_rows, view.dim, "slot result");
         err.failure()) {
       return err;
     }

@@ -228,10 +228,9 @@ def _buffers(plan, topo, rp, ids, sids, gains):
 
 def _local_lookup(plan: StackPlan, topo: Topology, table, rp, ids, sids, gains):
   s, b = topo.num_sc_per_device, plan.samples_per_sc
-  flat = table.reshape(-1, plan.dim)
   buffers = _buffers(plan, topo, rp, ids, sids, gains)
   acts = kernels.sparse_dense_matmul(
-    *buffers, flat, **_kernel_layout(plan, topo)
+    *buffers, table, **_kernel_layout(plan, topo)
   )
   if topo.num_devices > 1:
     partial = acts.reshape(topo.num_devices, s * b, plan.dim)
@@ -257,12 +256,13 @@ def _local_update(
   if topo.num_devices > 1:
     stacked = jax.lax.all_gather(stacked, topo.axis, axis=0, tiled=True)
   buffers = _buffers(plan, topo, rp, ids, sids, gains)
-  shape = table.shape
-  new_table, new_slots = kernels.sparse_dense_matmul_grad(
+  # The [S, V_shard, D] table goes in without a reshape: a reshape around
+  # the in-place update makes XLA copy the whole table.
+  return kernels.sparse_dense_matmul_grad(
     stacked,
     *buffers,
-    table.reshape(-1, plan.dim),
-    tuple(x.reshape(-1, plan.dim) for x in slots),
+    table,
+    tuple(slots),
     optimizer=plan.optimizer.short_name(),
     hyperparameters=hp,
     multiply_linear_by_learning_rate=getattr(
@@ -270,7 +270,6 @@ def _local_update(
     ),
     **_kernel_layout(plan, topo),
   )
-  return new_table.reshape(shape), tuple(x.reshape(shape) for x in new_slots)
 
 
 # ---------------------------------------------------------------------------
@@ -281,6 +280,9 @@ def _input_specs(topo: Topology, inputs: PreprocessedInput):
   return jax.tree.map(lambda _: P(topo.axis), inputs)
 
 
+# Jitted so that an eager call (outside any jit) compiles once and is cached
+# instead of running the shard_map body op by op (tens of seconds).
+@functools.partial(jax.jit, static_argnums=0)
 def _lookup_impl(static, tables, inputs):
   plans, topo = static
 
@@ -395,6 +397,15 @@ def apply_gradients(
     )
     for plan in plans
   }
+
+  return _apply_impl(
+    (plans, topology), tables, slots, inputs, activation_grads, hyper
+  )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply_impl(static, tables, slots, inputs, activation_grads, hyper):
+  plans, topology = static
 
   def body(tables, slots, inputs, grads, hyper):
     new_tables, new_slots = {}, {}

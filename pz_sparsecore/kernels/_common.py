@@ -9,6 +9,7 @@ bad call raises a ``ValueError`` in Python instead of failing inside XLA.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax.numpy as jnp
@@ -107,6 +108,15 @@ def _check_array(x, name: str, dtype, ndim: int) -> None:
     )
 
 
+def _check_table(x, name: str) -> None:
+  """A float32 table of rank >= 2: `[..., rows, dim]` flattened to rows.
+
+  Tables may keep a leading shard axis (`[shards, rows, dim]`): reshaping
+  them around the in-place update would make XLA copy the table.
+  """
+  _check_array(x, name, jnp.float32, max(getattr(x, "ndim", 2), 2))
+
+
 def check_buffers(
   row_pointers,
   embedding_ids,
@@ -142,7 +152,8 @@ def check_buffers(
   _check_array(embedding_ids, "embedding_ids", jnp.int32, 1)
   _check_array(sample_ids, "sample_ids", jnp.int32, 1)
   _check_array(gains, "gains", jnp.float32, 1)
-  _check_array(table, "table", jnp.float32, 2)
+  _check_table(table, "table")
+  table_rows = math.prod(table.shape[:-1])
   n = embedding_ids.shape[0]
   if sample_ids.shape[0] != n or gains.shape[0] != n:
     raise ValueError(
@@ -159,9 +170,9 @@ def check_buffers(
       f"row_pointers length {nrp} must be num_segments ({num_segments}) "
       f"times a stride >= num_partitions ({num_partitions})."
     )
-  if table.shape[0] % rows_per_partition:
+  if table_rows % rows_per_partition:
     raise ValueError(
-      f"table has {table.shape[0]} rows, not a multiple of "
+      f"table has {table_rows} rows, not a multiple of "
       f"rows_per_partition {rows_per_partition}."
     )
   return BufferLayout(
@@ -170,10 +181,10 @@ def check_buffers(
     num_partitions=int(num_partitions),
     rows_per_partition=int(rows_per_partition),
     partition_begin=int(partition_begin),
-    num_table_partitions=table.shape[0] // rows_per_partition,
+    num_table_partitions=table_rows // rows_per_partition,
     seg_len=n // num_segments,
     rp_stride=nrp // num_segments,
-    dim=table.shape[1],
+    dim=table.shape[-1],
   )
 
 
@@ -209,7 +220,7 @@ def check_grad_operands(
       f"{len(slots) if isinstance(slots, (tuple, list)) else slots!r}."
     )
   for name, slot in zip(info.slot_names, slots, strict=True):
-    _check_array(slot, f"slot {name!r}", jnp.float32, 2)
+    _check_table(slot, f"slot {name!r}")
     if tuple(slot.shape) != tuple(table.shape):
       raise ValueError(
         f"slot {name!r} must have the table's shape {tuple(table.shape)}, "

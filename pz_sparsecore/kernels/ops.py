@@ -36,6 +36,21 @@ def _check_implementation(implementation: str | None) -> None:
     )
 
 
+def _as_matrices(fn, dim: int):
+  """Runs a reference backward on `[rows, dim]` views of the table/slots."""
+
+  def wrapped(grad, rp, ids, sids, gains, table, hyper, *slots):
+    flat = [x.reshape(-1, dim) for x in (table, *slots)]
+    new_table, new_slots = fn(
+      grad, rp, ids, sids, gains, flat[0], hyper, *flat[1:]
+    )
+    return new_table.reshape(table.shape), tuple(
+      x.reshape(table.shape) for x in new_slots
+    )
+
+  return wrapped
+
+
 def _dispatch(target: str, implementation: str | None, ffi_fn, reference_fn):
   """Returns a function running the chosen implementation."""
   if implementation == "reference" or (
@@ -120,7 +135,9 @@ def sparse_dense_matmul(
     ffi.FORWARD_TARGET,
     implementation,
     lambda *a: ffi.sparse_dense_matmul(*a, layout),
-    lambda *a: reference.sparse_dense_matmul(*a, layout),
+    lambda *a: reference.sparse_dense_matmul(
+      *a[:4], a[4].reshape(-1, layout.dim), layout
+    ),
   )
   return fn(row_pointers, embedding_ids, sample_ids, gains, table)
 
@@ -238,7 +255,7 @@ def sparse_dense_matmul_grad(
     ffi.grad_target(optimizer),
     implementation,
     run(ffi.sparse_dense_matmul_grad),
-    run(reference.sparse_dense_matmul_grad),
+    _as_matrices(run(reference.sparse_dense_matmul_grad), layout.dim),
   )
   new_table, new_slots = fn(
     activation_grad,

@@ -18,6 +18,7 @@ layers use optax.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -156,7 +157,9 @@ def loss_fn(*, model, state, rng, inputs, labels):
   return loss, state, {"loss": loss}
 
 
-@pz.variable_jit
+# Donating keeps the (possibly huge) table from being copied on every call:
+# variable_jit returns every variable, and without donation that is a copy.
+@functools.partial(pz.variable_jit, donate_variables=True)
 def _eval_batch(model, inputs, labels):
   logits = model(inputs)
   loss = jnp.sum(cross_entropy(logits, labels))
