@@ -33,5 +33,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/kernels.py
 	$(PY) benchmarks/train_step.py
 
+docs: $(STAMP)
+	$(VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
+
 clean:
 	rm -rf build $(VENV)

@@ -18,19 +18,14 @@ jax-tpu-embedding, so specs written for it port unchanged. The optimizer
 specs give each optimizer's slot initialisers and the hyper-parameters its
 fused update receives, in the order the kernels read them:
 
-=========================  ============================  =====================
-optimizer                  slots (initial value)         hyper-parameters
-=========================  ============================  =====================
-`SGDOptimizerSpec`         none                          lr
-`AdagradOptimizerSpec`     accumulator (0.1)             lr
-`AdagradMomentumOpt...`    accumulator, momentum         lr, momentum, beta2,
-                                                         epsilon, exponent,
-                                                         use_nesterov
-`AdamOptimizerSpec`        momentum (0), velocity (0)    alpha_t, beta_1,
-                                                         beta_2, epsilon_hat
-`FTRLOptimizerSpec`        accumulator (0.1), linear (0) lr, lr_power, l1, l2,
-                                                         beta
-=========================  ============================  =====================
+* `SGDOptimizerSpec`: no slots; `(lr,)`.
+* `AdagradOptimizerSpec`: accumulator (0.1); `(lr,)`.
+* `AdagradMomentumOptimizerSpec`: accumulator (0.1), momentum (0);
+  `(lr, momentum, beta2, epsilon, exponent, use_nesterov)`.
+* `AdamOptimizerSpec`: momentum (0), velocity (0);
+  `(alpha_t, beta_1, beta_2, epsilon_hat)`.
+* `FTRLOptimizerSpec`: accumulator (0.1), linear (0);
+  `(lr, lr_power, l1, l2, beta)`.
 
 Adam's `alpha_t = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)` and
 `epsilon_hat = epsilon * sqrt(1 - beta_2**t)` carry the bias correction for

@@ -1,0 +1,79 @@
+"""Sphinx configuration of the pz_sparsecore documentation.
+
+Build with `make docs` (`sphinx-build -W --keep-going -b html docs
+docs/_build/html`): warnings are errors. Notebooks are rendered from
+`notebooks/` (linked as `docs/notebooks`) without executing them; they are
+executed by `tests/test_notebooks.py` instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.abspath(".."))
+# Importing the package for autodoc must not need more than one CPU device.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+project = "pz_sparsecore"
+author = "pz_sparsecore authors"
+copyright = "pz_sparsecore authors"  # noqa: A001
+release = version = "0.1.0"
+
+extensions = [
+  "myst_nb",
+  "sphinx.ext.autodoc",
+  "sphinx.ext.napoleon",
+  "sphinx.ext.viewcode",
+]
+
+source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
+exclude_patterns = ["_build", "**.ipynb_checkpoints"]
+
+# Notebooks are stored without outputs and are not executed here.
+nb_execution_mode = "off"
+myst_enable_extensions = ["colon_fence", "dollarmath"]
+myst_heading_anchors = 3
+
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_default_options = {"members": True, "show-inheritance": True}
+# Cross-references to third-party types (jax.Array, pz.nx.NamedArray, ...)
+# are not resolved (no intersphinx: the build must work offline).
+nitpicky = False
+
+html_theme = "furo"
+html_title = "pz_sparsecore"
+# Attributes sections as `:ivar:` fields: autodoc also documents NamedTuple
+# fields as attributes, and two attribute directives for one name are a
+# "duplicate object description" warning.
+napoleon_use_ivar = True
+
+# The library's docstrings write inline code Markdown-style, in single
+# backticks (as Penzai's sources do), and often glue a plural "s" to it
+# (`FeatureSpec`s); spans may cross a line break. In reStructuredText that
+# is an unterminated interpreted text (a warning), so single-backtick spans
+# become ``literals`` here, with an escaped space before a glued suffix.
+# Roles (:func:`x`), ``literals`` and `references`_ are left alone.
+_INLINE_CODE = re.compile(
+  r"(?<![`:\w\\])`((?:[^`\n]|\n(?!\s*\n))+)`(?![`_])(\w?)"
+)
+
+
+def _inline_code(match: re.Match) -> str:
+  code, suffix = match.group(1), match.group(2)
+  return f"``{code}``" + (f"\\ {suffix}" if suffix else "")
+
+
+def _process_docstring(app, what, name, obj, options, lines):
+  del app, what, name, obj, options
+  text = _INLINE_CODE.sub(_inline_code, "\n".join(lines))
+  lines[:] = text.split("\n")
+
+
+def setup(app):
+  app.connect("autodoc-process-docstring", _process_docstring)
