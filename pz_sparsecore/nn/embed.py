@@ -662,18 +662,10 @@ class SparseCoreEmbed(pz.nn.Layer):
     return _treescope.render_embed(self, path, subtree_renderer)
 
   def treescope_summary(self) -> str:
-    """One-line summary used by the Treescope rendering."""
-    topo = self.config.topology
-    stacks = ", ".join(
-      f"{s}[{spec.stack_vocab_size // topo.num_shards} rows/shard x "
-      f"{spec.stack_embedding_dim}]"
-      for s, spec in self.config.stacks.items()
-    )
-    return (
-      f"SparseCoreEmbed {self.config.name!r}: {len(self.config.feature_specs)} "
-      f"features, stacks {stacks}; {topo.num_devices} devices x "
-      f"{topo.num_sc_per_device} SC on axis {topo.axis!r}"
-    )
+    """The one-line summary Treescope shows for the collapsed layer."""
+    from pz_sparsecore import _treescope
+
+    return _treescope.embed_summary(self)
 
 
 def _named(config: EmbedConfig, value: jax.Array) -> pz.nx.NamedArray:
