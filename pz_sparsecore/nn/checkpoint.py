@@ -216,8 +216,13 @@ def _restore_embed(
 
 
 def _restored_value(old: Any, value: np.ndarray, names: list[str] | None):
-  sharding = getattr(getattr(old, "data_array", old), "sharding", None)
-  array = from_host(value, sharding) if sharding is not None else value
+  old = getattr(old, "data_array", old)
+  if isinstance(old, jax.Array) and old.committed:
+    array = from_host(value, old.sharding)
+  else:
+    # Uncommitted, like a fresh Penzai parameter: placing it on one device
+    # would clash under jit with the mesh-sharded tables and inputs.
+    array = jax.numpy.asarray(value)
   if names is None:
     return array
   return pz.nx.wrap(array).tag(*names)

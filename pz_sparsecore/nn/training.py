@@ -234,18 +234,22 @@ def _trainer_step(
       out.append(var)
     return tuple(out)
 
+  # Outputs follow the donated inputs' positional order (state, dense,
+  # state vars, tables, slots): jit pairs donated buffers with outputs of the
+  # same shape in order, so any other order hands a table's buffer to a slot
+  # (or the reverse) and forces vocabulary-sized copies every step.
   return (
-    aux,
-    finite,
-    new_dense,
-    new_state_vars,
-    rebuild(tables),
-    rebuild(slots),
     SparseCoreTrainerState(
       step=state.step + 1,
       opt_state=new_opt_state,
       loss_fn_state=new_loss_state,
     ),
+    new_dense,
+    new_state_vars,
+    rebuild(tables),
+    rebuild(slots),
+    aux,
+    finite,
   )
 
 
@@ -360,21 +364,23 @@ class SparseCoreTrainer(pz.Struct):
       else:
         raise ValueError(f"unexpected variable type: {var}")
     frozen = {k: pz.freeze_variables(tuple(v)) for k, v in groups.items()}
-    step = self.state.value.step
-    aux, finite, new_dense, new_state, new_tables, new_slots, new_internal = (
+    # Positional, in `_trainer_step`'s order: keyword arguments would be
+    # flattened in sorted order and pair donated buffers with the wrong
+    # outputs.
+    new_internal, new_dense, new_state, new_tables, new_slots, aux, finite = (
       self.step_fn(
-        root_rng=self.root_rng,
-        state=self.state.value,
-        stateless_model=stateless_model,
-        dense_params=frozen["dense"],
-        frozen_params=frozen["frozen"],
-        state_vars=frozen["state"],
-        tables=frozen["tables"],
-        slots=frozen["slots"],
-        loss_fn=self.loss_fn,
-        optimizer_def=self.optimizer_def,
-        check_finite=self.check_finite,
-        kwargs=kwargs,
+        self.root_rng,
+        self.state.value,
+        stateless_model,
+        frozen["dense"],
+        frozen["frozen"],
+        frozen["state"],
+        frozen["tables"],
+        frozen["slots"],
+        self.loss_fn,
+        self.optimizer_def,
+        self.check_finite,
+        kwargs,
       )
     )
     for var, new in zip(groups["dense"], new_dense, strict=True):
@@ -389,8 +395,10 @@ class SparseCoreTrainer(pz.Struct):
     if self.check_finite:
       bad = [k for k, ok in jax.device_get(finite).items() if not bool(ok)]
       if bad:
+        # The old step counter was donated; read the new one.
+        step = int(new_internal.step) - 1
         raise NonFiniteUpdateError(
-          f"step {int(step)}: non-finite loss or gradient in "
+          f"step {step}: non-finite loss or gradient in "
           f"{', '.join(sorted(bad))}; the update was skipped"
         )
     return aux

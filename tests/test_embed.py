@@ -1,0 +1,264 @@
+"""`SparseCoreEmbed`: logical views, spec updates and input validation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from penzai import pz
+
+from pz_sparsecore import specs
+from pz_sparsecore.nn.embed import ROW_AXIS, SHARD_AXIS, SparseCoreEmbed
+from pz_sparsecore.preprocess import PreprocessedInput
+
+BATCH = 8
+
+
+def _specs(vocab_a=50, limit=64):
+  adagrad = specs.AdagradOptimizerSpec(learning_rate=0.1)
+  ta = specs.TableSpec(
+    name="ta",
+    vocabulary_size=vocab_a,
+    embedding_dim=8,
+    initializer=jax.nn.initializers.normal(1.0),
+    optimizer=adagrad,
+    combiner="sum",
+    max_ids_per_partition=limit,
+    max_unique_ids_per_partition=limit,
+  )
+  tb = specs.TableSpec(
+    name="tb",
+    vocabulary_size=30,
+    embedding_dim=4,
+    initializer=jax.nn.initializers.normal(1.0),
+    optimizer=specs.FTRLOptimizerSpec(learning_rate=0.1),
+    combiner="mean",
+  )
+  return {
+    "fa": specs.FeatureSpec(
+      name="fa", table_spec=ta, input_shape=(BATCH, 2), output_shape=(BATCH, 8)
+    ),
+    "fb": specs.FeatureSpec(
+      name="fb", table_spec=tb, input_shape=(BATCH, 3), output_shape=(BATCH, 4)
+    ),
+  }
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return Mesh(np.array(jax.devices()[:2]), ("device",))
+
+
+@pytest.fixture(scope="module")
+def _shared(mesh):
+  embed = SparseCoreEmbed.from_config("emb", jax.random.key(0), _specs(), mesh)
+  return embed, embed.logical_tables(), embed.logical_slots()
+
+
+@pytest.fixture()
+def embed(_shared):
+  """The module's layer (built once), reset to its initial values."""
+  embed, tables, slots = _shared
+  embed.set_logical_tables(tables)
+  embed.set_logical_slots(slots)
+  return embed
+
+
+def _batch(seed=0):
+  rng = np.random.RandomState(seed)
+  return {
+    "fa": rng.randint(0, 50, (BATCH, 2)),
+    "fb": rng.randint(0, 30, (BATCH, 3)),
+  }
+
+
+def test_variables_labels_and_layout(embed):
+  assert set(embed.tables) == {"ta", "tb"}
+  table = embed.tables["ta"]
+  assert isinstance(table, pz.Parameter)
+  assert table.label == "emb/ta.embeddings"
+  assert dict(table.value.named_shape) == {
+    SHARD_AXIS: 2,
+    ROW_AXIS: 32,  # 50 padded to 64 rows over 2 shards.
+    "embedding": 8,
+  }
+  assert {v.label for v in embed.slots["tb"].values()} == {
+    "emb/tb.accumulator",
+    "emb/tb.linear",
+  }
+  assert all(
+    isinstance(v, pz.StateVariable) for v in embed.slots["ta"].values()
+  )
+  assert pz.select(embed).at_instances_of(SparseCoreEmbed).count() == 1
+
+
+def test_logical_tables_round_trip_subset(embed):
+  rng = np.random.RandomState(1)
+  before = embed.logical_tables()
+  assert before["ta"].shape == (50, 8) and before["tb"].shape == (30, 4)
+  new_a = rng.normal(size=(50, 8)).astype(np.float32)
+  embed.set_logical_tables({"ta": new_a})
+  after = embed.logical_tables()
+  np.testing.assert_array_equal(after["ta"], new_a)
+  np.testing.assert_array_equal(after["tb"], before["tb"])
+  # The written rows are where MOD sharding puts them: id i on shard i % 2.
+  table = np.asarray(embed.table_arrays()["ta"])
+  np.testing.assert_array_equal(table[1, 3], new_a[7])
+  np.testing.assert_array_equal(table[0, 24], new_a[48])
+
+
+@pytest.mark.parametrize(
+  "values,match",
+  [
+    ({"nope": np.zeros((50, 8))}, "unknown table"),
+    ({"ta": np.zeros((50, 7))}, r"expected shape \(50, 8\)"),
+    ({"tb": np.zeros((30, 4)), "ta": np.zeros((49, 8))}, "expected shape"),
+    ({"ta": np.full((50, 8), np.nan)}, "finite"),
+  ],
+)
+def test_set_logical_tables_rejects_and_writes_nothing(embed, values, match):
+  before = embed.logical_tables()
+  with pytest.raises(ValueError, match=match):
+    embed.set_logical_tables(values)
+  after = embed.logical_tables()
+  for name in before:
+    np.testing.assert_array_equal(after[name], before[name])
+
+
+def test_logical_slots_round_trip(embed):
+  slots = embed.logical_slots()
+  assert set(slots) == {"ta", "tb"}
+  assert set(slots["tb"]) == {"accumulator", "linear"}
+  np.testing.assert_array_equal(slots["ta"]["accumulator"], np.float32(0.1))
+  new = np.arange(30 * 4, dtype=np.float32).reshape(30, 4)
+  embed.set_logical_slots({"tb": {"linear": new}})
+  after = embed.logical_slots()
+  np.testing.assert_array_equal(after["tb"]["linear"], new)
+  np.testing.assert_array_equal(
+    after["tb"]["accumulator"], slots["tb"]["accumulator"]
+  )
+  np.testing.assert_array_equal(
+    after["ta"]["accumulator"], slots["ta"]["accumulator"]
+  )
+
+
+@pytest.mark.parametrize(
+  "values",
+  [
+    {"tb": {"velocity": np.zeros((30, 4))}},
+    {"nope": {"linear": np.zeros((30, 4))}},
+    {
+      "ta": {"accumulator": np.ones((50, 8))},
+      "tb": {"linear": np.ones((3, 4))},
+    },
+    {"ta": {"accumulator": np.ones((50, 8))}, "tb": {"bad": np.ones((30, 4))}},
+  ],
+)
+def test_set_logical_slots_rejects_and_writes_nothing(embed, values):
+  before = embed.logical_slots()
+  with pytest.raises(ValueError):
+    embed.set_logical_slots(values)
+  after = embed.logical_slots()
+  for table, slots in before.items():
+    for slot, value in slots.items():
+      np.testing.assert_array_equal(after[table][slot], value)
+
+
+def test_with_feature_specs_shares_variables_and_changes_limits(embed):
+  new = embed.with_feature_specs(_specs(limit=16))
+  assert new.tables["ta"] is embed.tables["ta"]
+  assert new.slots["ta"]["accumulator"] is embed.slots["ta"]["accumulator"]
+  assert new.config.stacks["ta"].max_ids_per_partition == 16
+  # A write through one is seen by the other.
+  value = np.ones((50, 8), np.float32)
+  new.set_logical_tables({"ta": value})
+  np.testing.assert_array_equal(embed.logical_tables()["ta"], value)
+  inputs, _ = new.preprocess(_batch())
+  out = new(inputs)
+  np.testing.assert_allclose(out["fa"].unwrap("batch", "embedding"), 2.0)
+
+
+def test_with_feature_specs_rejects_layout_changes(embed):
+  with pytest.raises(ValueError, match="change more than the limits"):
+    embed.with_feature_specs(_specs(vocab_a=200))
+  with pytest.raises(ValueError, match="structure"):
+    embed.with_feature_specs({"fa": _specs()["fa"]})
+
+
+def test_preprocess_rejects_wrong_structure(embed):
+  with pytest.raises(ValueError, match="structure"):
+    embed.preprocess({"fa": _batch()["fa"]})
+  with pytest.raises(ValueError, match="structure"):
+    embed.preprocess([_batch()["fa"], _batch()["fb"]])
+
+
+@pytest.mark.parametrize("bad", [50, -1, 10**12])
+def test_preprocess_rejects_bad_ids_naming_the_feature(embed, bad):
+  ids = _batch()
+  ids["fa"][3, 1] = bad
+  with pytest.raises(ValueError, match="'fa'|fa"):
+    embed.preprocess(ids)
+
+
+def test_preprocess_rejects_float_ids_and_bad_batch(embed):
+  ids = _batch()
+  ids["fb"] = ids["fb"].astype(np.float32)
+  with pytest.raises(ValueError, match="fb"):
+    embed.preprocess(ids)
+  ids = _batch()
+  ids["fb"] = ids["fb"][:5]
+  with pytest.raises(ValueError, match="fb"):
+    embed.preprocess(ids)
+
+
+def test_call_rejects_wrong_buffers(embed):
+  inputs, _ = embed.preprocess(_batch())
+  with pytest.raises(ValueError, match="PreprocessedInput"):
+    embed({"fa": inputs})
+  bad_dtype = dataclasses.replace(
+    inputs,
+    lhs_gains={k: v.astype(jnp.float16) for k, v in inputs.lhs_gains.items()},
+  )
+  with pytest.raises(ValueError, match="lhs_gains"):
+    embed(bad_dtype)
+  bad_shape = dataclasses.replace(
+    inputs,
+    lhs_embedding_ids={
+      k: jnp.concatenate([v, v]) for k, v in inputs.lhs_embedding_ids.items()
+    },
+  )
+  with pytest.raises(ValueError, match="lhs_embedding_ids"):
+    embed(bad_shape)
+  missing = dataclasses.replace(
+    inputs, lhs_sample_ids={"ta": inputs.lhs_sample_ids["ta"]}
+  )
+  with pytest.raises(ValueError, match="stacks"):
+    embed(missing)
+  assert isinstance(inputs, PreprocessedInput)
+
+
+def test_unknown_side_inputs_are_ignored(embed):
+  inputs, _ = embed.preprocess(_batch())
+  out = embed(inputs, some_side_input=3)
+  assert set(out) == {"fa", "fb"}
+
+
+def test_from_config_rejects_bad_arguments(mesh):
+  with pytest.raises(ValueError, match="Mesh"):
+    SparseCoreEmbed.from_config("e", jax.random.key(0), _specs(), "mesh")
+  with pytest.raises(ValueError, match="sharding axis"):
+    SparseCoreEmbed.from_config(
+      "e", jax.random.key(0), _specs(), mesh, sharding_axis="x"
+    )
+  with pytest.raises(ValueError, match="sample axes"):
+    SparseCoreEmbed.from_config(
+      "e", jax.random.key(0), _specs(), mesh, feature_axes=("batch", "seq")
+    )
+  with pytest.raises(ValueError, match="divide"):
+    SparseCoreEmbed.from_config(
+      "e", jax.random.key(0), _specs(), mesh, num_sc_per_device=8
+    )
