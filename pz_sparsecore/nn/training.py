@@ -330,7 +330,11 @@ class SparseCoreTrainer(pz.Struct):
       model=model,
       state=pz.StateVariable(
         SparseCoreTrainerState(
-          step=0, opt_state=opt_state, loss_fn_state=initial_loss_fn_state
+          # An array from the start, so the first step and the later ones
+          # share one compilation.
+          step=jnp.zeros((), jnp.int32),
+          opt_state=opt_state,
+          loss_fn_state=initial_loss_fn_state,
         ),
         label="SparseCoreTrainer.state",
       ),
