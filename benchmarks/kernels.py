@@ -315,7 +315,7 @@ def main() -> None:
   skipped = {n.split(":")[0] for n in notes}
   rng = np.random.default_rng(0)
   header = (
-    f"{'workload':<13}{'op':<14}{'impl':<20}{'ms':>9}{'Mlookup/s':>11}"
+    f"{'workload':<13}{'op':<17}{'impl':<20}{'ms':>9}{'Mlookup/s':>11}"
     f"{'GB/s':>8}{'x ours':>8}"
   )
   lines = [header, "-" * len(header)]
@@ -336,7 +336,7 @@ def main() -> None:
       for impl, res in results.items():
         ms = res[op]
         lines.append(
-          f"{label:<13}{op_name:<14}{impl:<20}{ms:>9.2f}"
+          f"{label:<13}{op_name:<17}{impl:<20}{ms:>9.2f}"
           f"{ids.size / ms / 1e3:>11.1f}"
           f"{touched_bytes(ids, op) / ms / 1e6:>8.1f}"
           f"{ms / ours:>8.2f}"

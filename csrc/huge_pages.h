@@ -8,10 +8,12 @@
 // kMinHugePageBytes is seen (address range remembered in a small set), its
 // 2 MiB-aligned interior gets MADV_HUGEPAGE and then MADV_COLLAPSE (Linux
 // >= 6.1), which synchronously rebuilds the already-faulted range from huge
-// pages (a one-time cost of roughly 0.3 s per GiB, more when memory must be
-// compacted). Contents never change; failures (old kernels, THP disabled, no
+// pages (a one-time cost of about 0.3-0.5 s per GiB, seconds when memory must
+// be compacted). Contents never change; failures (old kernels, THP off, no
 // free huge pages) are ignored. PZSC_HUGE_PAGES=0 in the environment turns
-// this off.
+// this off. A range freed and reallocated at the same address is not
+// collapsed again; the backward therefore also advises fresh (non-aliased)
+// result buffers before copying into them, so they fault in as huge pages.
 #ifndef PZSC_CSRC_HUGE_PAGES_H_
 #define PZSC_CSRC_HUGE_PAGES_H_
 

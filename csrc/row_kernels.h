@@ -11,21 +11,6 @@
 
 namespace pzsc {
 
-// Entries grouped by output row (CSR): the entries of output row r are
-// [offsets[r], offsets[r + 1]) of `rows` (table row) and `gains`, in buffer
-// order, so every output row is summed in a fixed order.
-struct ForwardPlan {
-  const int64_t* offsets;
-  const int64_t* rows;
-  const float* gains;
-  int64_t num_entries;
-};
-
-// out[r, :] = sum_j gains[j] * table[rows[j], :] for r in [row_begin, row_end);
-// rows without entries become zero.
-void ForwardRows(const ForwardPlan& plan, const float* table, int64_t dim,
-                 int64_t row_begin, int64_t row_end, float* out);
-
 // Everything BackwardKeys needs; `parts[p]` holds partition p's slices in
 // segment order (entries sorted by row within a slice).
 struct BackwardPlan {

@@ -13,7 +13,7 @@ class RunConfig:
 
   devices: int = 8
   sc_per_device: int = 1
-  steps: int = 300
+  steps: int = 400
   vocab: int = 4096
   seq_len: int = 8
   batch_size: int = 256
