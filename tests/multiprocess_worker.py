@@ -93,6 +93,7 @@ def main() -> None:
     for field, records in seen.items()
   }
   np.savez(os.path.join(out_dir, f"stats_{process_id}.npz"), **local_max)
+  pzsc.save_checkpoint(os.path.join(out_dir, "ckpt"), trainer.model)
   tables = trainer.model.embed.logical_tables()
   slots = trainer.model.embed.logical_slots()
   if process_id == 0:

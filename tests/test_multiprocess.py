@@ -81,3 +81,32 @@ def test_fdo_merges_both_processes(runs):
   for field in ("max_ids_per_partition", "max_unique_ids_per_partition"):
     expected = np.maximum(local[0][field], local[1][field])
     np.testing.assert_array_equal(getattr(loaded, field)["words"], expected)
+
+
+def test_checkpoint_from_two_processes_restores_on_one(runs):
+  import jax
+  from jax.sharding import Mesh
+
+  from pz_sparsecore.models import shakespeare
+
+  _, multi = runs
+  mesh = Mesh(np.array(jax.devices()[:4]), ("device",))
+  model = shakespeare.build_model(
+    jax.random.key(7),
+    mesh,
+    vocab_size=512,
+    seq_len=4,
+    batch_size=64,
+    embedding_dim=16,
+    hidden=32,
+    optimizer=pzsc.AdagradOptimizerSpec(learning_rate=0.3),
+  )
+  model = pzsc.restore_checkpoint(multi / "ckpt", model)
+  expected = np.load(multi / "result.npz")
+  np.testing.assert_array_equal(
+    model.embed.logical_tables()["words"], expected["table"]
+  )
+  np.testing.assert_array_equal(
+    model.embed.logical_slots()["words"]["accumulator"],
+    expected["accumulator"],
+  )

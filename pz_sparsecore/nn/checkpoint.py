@@ -77,6 +77,10 @@ def _host_value(label: str, value: Any) -> tuple[np.ndarray, list[str] | None]:
 def save_checkpoint(directory: str | os.PathLike, model: Any) -> str:
   """Saves `model`'s variables; returns the checkpoint's path.
 
+  With several processes every process must call it (the tables are
+  gathered collectively) and process 0 writes; `directory` must be on a
+  file system every process can read for `restore_checkpoint`.
+
   Args:
     directory: Checkpoint directory (created if missing).
     model: A Penzai model (with bound variables).
@@ -130,6 +134,8 @@ def save_checkpoint(directory: str | os.PathLike, model: Any) -> str:
   previous = _latest(directory)
   number = int(previous.split("_")[1]) + 1 if previous else 0
   name = f"ckpt_{number:06d}"
+  if jax.process_index() != 0:
+    return os.path.join(directory, name)
   tmp = tempfile.mkdtemp(prefix=".tmp_ckpt_", dir=directory)
   try:
     with open(os.path.join(tmp, _ARRAYS), "wb") as f:
