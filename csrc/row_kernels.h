@@ -33,14 +33,31 @@ struct ForwardEntry {
   int32_t out_row;  // Relative to the range start.
 };
 
-// out[r, :] for r in [out_begin, out_end) (all others untouched): zeroes the
-// range, collects its valid entries (slices in order, buffer order within a
-// slice) into `scratch`, then adds gain * table row for each in that order.
-// Every output row thus sums its entries in a fixed order, however the
-// output rows are split between calls.
+// Reusable (thread-local) buffers of ForwardOutputRange.
+struct ForwardScratch {
+  std::vector<ForwardEntry> entries;  // The range's entries, buffer order.
+  std::vector<ForwardEntry> sorted;   // The same, stably sorted by out_row.
+  std::vector<int64_t> starts;        // Per output row offsets into sorted.
+
+  size_t bytes() const {
+    return (entries.capacity() + sorted.capacity()) * sizeof(ForwardEntry) +
+           starts.capacity() * sizeof(int64_t);
+  }
+};
+
+// Writes out[r, :] for every r in [out_begin, out_end) (all other rows
+// untouched; rows without entries get zeros): collects the range's valid
+// entries (slices in order, buffer order within a slice), stably
+// counting-sorts them by output row, then sums each row's gain * table rows
+// in registers (vector accumulators for dim = 16k <= 128, prefetching the
+// table rows a few entries ahead) and stores it once. Every output row thus
+// sums its entries in buffer order starting from 0, however the output rows
+// are split between calls.
 void ForwardOutputRange(const CooView& view, const std::vector<Slice>& slices,
                         const float* table, int64_t out_begin, int64_t out_end,
-                        float* out, std::vector<ForwardEntry>* scratch);
+                        float* out, ForwardScratch* scratch);
+
+void ForwardOutputRangeOld(const CooView& view, const std::vector<Slice>& slices, const float* table, int64_t out_begin, int64_t out_end, float* out, std::vector<ForwardEntry>* scratch);  // AB-TEMP
 
 // Updates every referenced table row whose key p * rows_per_partition + row
 // lies in [key_begin, key_end): sums gain * activation_grad over all its

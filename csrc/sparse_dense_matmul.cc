@@ -17,6 +17,7 @@
 // bit for bit): the extra scans cost less than the sort's scattered writes
 // (forward -10-15% at 131k entries). The output (samples x D) is small and
 // stays in cache while it is accumulated.
+#include <cstdlib>  // AB-TEMP
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -66,15 +67,19 @@ ffi::Error SparseDenseMatmulImpl(
   int64_t total = 0;
   for (const Slice& s : slices) total += s.end - s.begin;
   const int64_t ranges = std::max<int64_t>(
-      1, std::min({NumWorkers(pool) * kRangesPerWorker,
+      1, std::min({NumWorkers(pool) * (getenv("PZSC_AB_RPW") ? atoi(getenv("PZSC_AB_RPW")) : kRangesPerWorker),  // AB-TEMP
                    total / kMinEntriesPerRange, num_out}));
   ParallelFor(pool, ranges, [&](int64_t c) {
-    thread_local std::vector<ForwardEntry> scratch;
+    if (getenv("PZSC_AB_OLD")) {  // AB-TEMP
+      thread_local std::vector<ForwardEntry> old_scratch;
+      ForwardOutputRangeOld(view, slices, table_data, num_out * c / ranges,
+                       num_out * (c + 1) / ranges, out_data, &old_scratch);
+      return;
+    }
+    thread_local ForwardScratch scratch;
     ForwardOutputRange(view, slices, table_data, num_out * c / ranges,
                        num_out * (c + 1) / ranges, out_data, &scratch);
-    if (scratch.capacity() * sizeof(ForwardEntry) > kMaxKeptScratchBytes) {
-      std::vector<ForwardEntry>().swap(scratch);
-    }
+    if (scratch.bytes() > kMaxKeptScratchBytes) scratch = ForwardScratch();
   });
   return ffi::Error::Success();
 }

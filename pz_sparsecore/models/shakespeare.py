@@ -290,7 +290,7 @@ def run(
     times.append(time.perf_counter() - start)
     bar.set_postfix(
       loss=f"{losses[-1]:.3f}",
-      words_per_s=f"{config.batch_size / times[-1]:,.0f}",
+      examples_per_s=f"{config.batch_size / times[-1]:,.0f}",
     )
     if config.fdo_every and (step + 1) % config.fdo_every == 0:
       fdo.publish()
