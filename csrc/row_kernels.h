@@ -49,15 +49,13 @@ struct ForwardScratch {
 // untouched; rows without entries get zeros): collects the range's valid
 // entries (slices in order, buffer order within a slice), stably
 // counting-sorts them by output row, then sums each row's gain * table rows
-// in registers (vector accumulators for dim = 16k <= 128, prefetching the
-// table rows a few entries ahead) and stores it once. Every output row thus
-// sums its entries in buffer order starting from 0, however the output rows
-// are split between calls.
+// in registers (vector accumulators for dim = 16k <= 128, a generic loop
+// otherwise; table rows prefetched into L2 48 entries ahead) and stores it
+// once. Every output row thus sums its entries in buffer order starting from
+// 0, however the output rows are split between calls.
 void ForwardOutputRange(const CooView& view, const std::vector<Slice>& slices,
                         const float* table, int64_t out_begin, int64_t out_end,
                         float* out, ForwardScratch* scratch);
-
-void ForwardOutputRangeOld(const CooView& view, const std::vector<Slice>& slices, const float* table, int64_t out_begin, int64_t out_end, float* out, std::vector<ForwardEntry>* scratch);  // AB-TEMP
 
 // Updates every referenced table row whose key p * rows_per_partition + row
 // lies in [key_begin, key_end): sums gain * activation_grad over all its

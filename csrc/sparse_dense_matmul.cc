@@ -11,13 +11,15 @@
 //
 // The output rows are split into a few contiguous ranges, one parallel chunk
 // each. A chunk scans all entries, keeps those of its range (branch-free
-// compaction into thread-local scratch) and accumulates them in buffer order,
-// i.e. in ascending table row within a slice, which is kind to the TLB and
-// DRAM pages. This replaced a global counting sort by output row (same sums,
-// bit for bit): the extra scans cost less than the sort's scattered writes
-// (forward -10-15% at 131k entries). The output (samples x D) is small and
-// stays in cache while it is accumulated.
-#include <cstdlib>  // AB-TEMP
+// compaction into thread-local scratch), stably counting-sorts them by output
+// row (O(entries + rows), buffer order kept within a row), then sums each
+// output row in vector registers, gathering its table rows with an L2
+// prefetch 48 entries ahead, and stores it once (no zero fill, no per-entry
+// read-modify-write of the output). Results are bit-identical to the former
+// per-entry accumulation in buffer order. 1M/8M-row tables, 4096 x 32 ids,
+// dim 64, 2 cores: uniform forward -25-35%, mostly from the L2 prefetch.
+// A global counting sort by output row once lost to these per-range scans
+// (its scattered writes); with 2 ranges per worker the rescans stay cheap.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -67,15 +69,9 @@ ffi::Error SparseDenseMatmulImpl(
   int64_t total = 0;
   for (const Slice& s : slices) total += s.end - s.begin;
   const int64_t ranges = std::max<int64_t>(
-      1, std::min({NumWorkers(pool) * (getenv("PZSC_AB_RPW") ? atoi(getenv("PZSC_AB_RPW")) : kRangesPerWorker),  // AB-TEMP
+      1, std::min({NumWorkers(pool) * kRangesPerWorker,
                    total / kMinEntriesPerRange, num_out}));
   ParallelFor(pool, ranges, [&](int64_t c) {
-    if (getenv("PZSC_AB_OLD")) {  // AB-TEMP
-      thread_local std::vector<ForwardEntry> old_scratch;
-      ForwardOutputRangeOld(view, slices, table_data, num_out * c / ranges,
-                       num_out * (c + 1) / ranges, out_data, &old_scratch);
-      return;
-    }
     thread_local ForwardScratch scratch;
     ForwardOutputRange(view, slices, table_data, num_out * c / ranges,
                        num_out * (c + 1) / ranges, out_data, &scratch);
