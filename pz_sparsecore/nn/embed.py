@@ -119,35 +119,50 @@ def _call_initializer(init, key, shape):
 
 
 def _init_stack(config: EmbedConfig, stack: str, key: jax.Array) -> jax.Array:
-  """One stack's `[N, V_shard, D]` table, initialised shard by shard."""
+  """One stack's `[N, V_shard, D]` table, initialised shard by shard in place.
+
+  The table is allocated once, sharded, then each device fills its local
+  shards one at a time into the donated buffer, so the initialisation needs
+  one shard of scratch, not a second table. Every member table of shard `g`
+  is drawn from key `g` of `split(key, N)` with shape `[V_member / N, D]`.
+  """
   topo = config.topology
   n, s = topo.num_shards, topo.num_sc_per_device
   spec = config.stacks[stack]
   members = layout.get_table_stacks(config.feature_specs)[stack]
   keys = jax.random.split(key, n)
+  rows = spec.stack_vocab_size // n
+  axis = jax.sharding.PartitionSpec(topo.axis)
 
-  def body(local_keys):
-    shards = []
-    for k in range(s):
-      parts = [
-        _call_initializer(
-          t.initializer,
-          local_keys[k],
-          (t.setting_in_stack.padded_vocab_size // n, spec.stack_embedding_dim),
-        )
-        for t in members
-      ]
-      shards.append(jnp.concatenate(parts, axis=0))
-    return jnp.stack(shards)
+  def fill(local_table, local_keys, k):
+    parts = [
+      _call_initializer(
+        t.initializer,
+        local_keys[k],
+        (t.setting_in_stack.padded_vocab_size // n, spec.stack_embedding_dim),
+      )
+      for t in members
+    ]
+    shard = jnp.concatenate(parts, axis=0)[None]
+    return jax.lax.dynamic_update_slice_in_dim(local_table, shard, k, axis=0)
 
-  fn = jax.shard_map(
-    body,
-    mesh=topo.mesh,
-    in_specs=jax.sharding.PartitionSpec(topo.axis),
-    out_specs=jax.sharding.PartitionSpec(topo.axis),
-    check_vma=False,
+  fill_shard = jax.jit(
+    jax.shard_map(
+      fill,
+      mesh=topo.mesh,
+      in_specs=(axis, axis, jax.sharding.PartitionSpec()),
+      out_specs=axis,
+      check_vma=False,
+    ),
+    donate_argnums=0,
   )
-  return jax.jit(fn)(keys)
+  table = jax.jit(
+    lambda: jnp.zeros((n, rows, spec.stack_embedding_dim), jnp.float32),
+    out_shardings=topo.sharding(3),
+  )()
+  for k in range(s):
+    table = fill_shard(table, keys, jnp.int32(k))
+  return table
 
 
 def _init_slot(config: EmbedConfig, stack: str, initializer) -> jax.Array:
