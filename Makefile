@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BUILD_DEPS := scikit-build-core nanobind jax==0.10.2 jaxlib==0.10.2
 SOURCES := pyproject.toml CMakeLists.txt $(wildcard csrc/*)
 
-.PHONY: demo test lint bench docs clean
+.PHONY: demo test lint bench bench-large docs clean
 
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/preprocess.py
 	$(PY) benchmarks/kernels.py
 	$(PY) benchmarks/train_step.py
+
+# Needs about 12 GiB of free memory.
+bench-large: $(STAMP)
+	$(PY) benchmarks/large_table.py
 
 docs: $(STAMP)
 	$(VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
