@@ -51,26 +51,34 @@ def make_batch(seed: int = 0) -> tuple[dict[str, np.ndarray], int]:
   return features, total
 
 
-def our_specs(max_ids: int, max_unique: int, suggested: int | None):
+def build_specs(
+  spec_module, max_ids: int, max_unique: int, suggested: int | None
+):
+  """The benchmark's feature specs; both libraries take the same fields."""
   specs = {}
   for f in range(NUM_FEATURES):
-    table = sp.TableSpec(
+    table = spec_module.TableSpec(
       name=f"t{f:02d}",
       vocabulary_size=VOCAB,
       embedding_dim=16,
       initializer=jax.nn.initializers.zeros,
-      optimizer=sp.SGDOptimizerSpec(),
+      optimizer=spec_module.SGDOptimizerSpec(),
       combiner="mean",
       max_ids_per_partition=max_ids,
       max_unique_ids_per_partition=max_unique,
       suggested_coo_buffer_size_per_device=suggested,
     )
-    specs[f"f{f:02d}"] = sp.FeatureSpec(
+    specs[f"f{f:02d}"] = spec_module.FeatureSpec(
       name=f"f{f:02d}",
       table_spec=table,
       input_shape=[GLOBAL_BATCH, MAX_IDS_PER_SAMPLE],
       output_shape=[GLOBAL_BATCH, 16],
     )
+  return specs
+
+
+def our_specs(max_ids: int, max_unique: int, suggested: int | None):
+  specs = build_specs(sp, max_ids, max_unique, suggested)
   return layout.prepare_feature_specs_for_training(specs, G, S)
 
 
@@ -84,25 +92,7 @@ def upstream_call(max_ids: int, max_unique: int, suggested: int | None):
     from jax_tpu_embedding.sparsecore.lib.nn import embedding_spec as es
   except ImportError:
     return None
-  specs = {}
-  for f in range(NUM_FEATURES):
-    table = es.TableSpec(
-      name=f"t{f:02d}",
-      vocabulary_size=VOCAB,
-      embedding_dim=16,
-      initializer=jax.nn.initializers.zeros,
-      optimizer=es.SGDOptimizerSpec(),
-      combiner="mean",
-      max_ids_per_partition=max_ids,
-      max_unique_ids_per_partition=max_unique,
-      suggested_coo_buffer_size_per_device=suggested,
-    )
-    specs[f"f{f:02d}"] = es.FeatureSpec(
-      name=f"f{f:02d}",
-      table_spec=table,
-      input_shape=[GLOBAL_BATCH, MAX_IDS_PER_SAMPLE],
-      output_shape=[GLOBAL_BATCH, 16],
-    )
+  specs = build_specs(es, max_ids, max_unique, suggested)
   # Upstream's prepare only accepts S in {2, 4}; the stacking depends on
   # N = G * S alone, so prepare for the same N with S = 2.
   embedding.prepare_feature_specs_for_training(
