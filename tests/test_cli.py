@@ -76,6 +76,81 @@ CHROME_FLAGS = [
   "--allow-file-access-from-files",
 ]
 
+# True once every Treescope output on the page has drawn: Treescope renders
+# into shadow DOM from animation frames once an output is visible, and drops
+# its loading markers when done.
+_DRAWN = """(() => {
+  const hosts = document.querySelectorAll("treescope-container");
+  if (hosts.length === 0) return false;
+  for (const host of hosts) {
+    const root = host.shadowRoot;
+    if (!root || root.childElementCount === 0) return false;
+    if (root.querySelector(".loading_message")) return false;
+    if (root.textContent.includes("(Loading...)")) return false;
+  }
+  return true;
+})()"""
+
+
+def _screenshot_when_drawn(chromium: str, url: str, profile) -> bytes:
+  """Loads `url` in headless Chromium, waits for Treescope, screenshots."""
+  import base64
+  import json
+  import time
+  import urllib.request
+
+  import websocket
+
+  proc = subprocess.Popen(
+    [
+      chromium,
+      *CHROME_FLAGS,
+      f"--user-data-dir={profile}",
+      "--remote-debugging-port=0",
+      "--window-size=1200,1200",
+      "about:blank",
+    ],
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
+  try:
+    port_file = profile / "DevToolsActivePort"
+    deadline = time.monotonic() + 60
+    while not port_file.exists() or not port_file.read_text().strip():
+      assert time.monotonic() < deadline, "chromium did not start"
+      time.sleep(0.1)
+    port = port_file.read_text().split()[0]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list") as r:
+      pages = [t for t in json.load(r) if t["type"] == "page"]
+    ws = websocket.create_connection(
+      pages[0]["webSocketDebuggerUrl"], timeout=60
+    )
+    ids = iter(range(1, 10**6))
+
+    def call(method, **params):
+      message_id = next(ids)
+      ws.send(
+        json.dumps({"id": message_id, "method": method, "params": params})
+      )
+      while True:
+        reply = json.loads(ws.recv())
+        if reply.get("id") == message_id:
+          return reply.get("result", {})
+
+    call("Page.navigate", url=url)
+    while True:
+      result = call("Runtime.evaluate", expression=_DRAWN, returnByValue=True)
+      if result.get("result", {}).get("value") is True:
+        break
+      assert time.monotonic() < deadline, f"{url} did not finish drawing"
+      time.sleep(0.2)
+    shot = call("Page.captureScreenshot", format="png")["data"]
+    ws.close()
+    return base64.b64decode(shot)
+  finally:
+    proc.kill()
+    proc.wait()
+
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
@@ -128,24 +203,15 @@ def test_report_renders_in_chromium(default_run, tmp_path):
 
   pixels = np.asarray(Image.open(shot).convert("L"), dtype=np.float32)
   assert pixels.std() > 10, "screenshot is blank"
-  # The Treescope figures draw into shadow DOM from their scripts, so check
-  # the pixels: the table bands and the heat map are saturated colours that
-  # only appear once the scripts ran.
+  # The Treescope figures draw into shadow DOM from their scripts: wait until
+  # they finished, then check the pixels (the table bands and the heat map
+  # are saturated colours that only appear once drawn).
   for figure in ("shards.html", "stats.html"):
     shot = tmp_path / (figure + ".png")
-    subprocess.run(
-      [
-        chromium,
-        *CHROME_FLAGS,
-        f"--user-data-dir={tmp_path / ('profile-' + figure)}",
-        "--window-size=1200,1200",
-        "--virtual-time-budget=10000",
-        f"--screenshot={shot}",
-        (report / figure).as_uri(),
-      ],
-      capture_output=True,
-      timeout=120,
-      check=True,
+    shot.write_bytes(
+      _screenshot_when_drawn(
+        chromium, (report / figure).as_uri(), tmp_path / ("p-" + figure)
+      )
     )
     rgb = np.asarray(Image.open(shot).convert("RGB"), dtype=np.int32)
     saturated = (rgb.max(-1) - rgb.min(-1)) > 60
