@@ -253,6 +253,45 @@ def _trainer_step(
   )
 
 
+class _Grouping:
+  """The model's variables sorted into the step's groups, per model object.
+
+  Unbinding the variables and finding the tables and slots walks the whole
+  model; the result only changes when the model object does (variables are
+  read afresh every step), so it is kept for the last model seen.
+  """
+
+  def __init__(self):
+    self._model = None
+    self._result = None
+
+  def of(self, model: Any) -> tuple[Any, dict[str, list[Any]]]:
+    if model is not self._model:
+      self._result = _group_variables(model)
+      self._model = model
+    return self._result
+
+
+def _group_variables(model: Any) -> tuple[Any, dict[str, list[Any]]]:
+  """The stateless model and its variables by role in the step."""
+  stateless_model, variables = pz.unbind_variables(model)
+  table_labels, slot_labels = _embed_labels(model)
+  groups = {k: [] for k in ("dense", "frozen", "state", "tables", "slots")}
+  for var in variables:
+    if var.label in table_labels:
+      groups["tables"].append(var)
+    elif var.label in slot_labels:
+      groups["slots"].append(var)
+    elif isinstance(var, pz.Parameter):
+      trainable = var.metadata.get("trainable", True)
+      groups["dense" if trainable else "frozen"].append(var)
+    elif isinstance(var, pz.StateVariable):
+      groups["state"].append(var)
+    else:
+      raise ValueError(f"unexpected variable type: {var}")
+  return stateless_model, groups
+
+
 @pz.pytree_dataclass
 class SparseCoreTrainer(pz.Struct):
   """A trainer that updates dense parameters with optax and tables in place.
@@ -267,6 +306,8 @@ class SparseCoreTrainer(pz.Struct):
     check_finite: Whether a step whose loss or gradients are not finite is
       skipped and reported with `NonFiniteUpdateError` (naming the step and
       the tables or parameters).
+    grouping: Internal: the model's variables sorted by role, kept between
+      steps.
   """
 
   root_rng: jax.Array
@@ -281,6 +322,9 @@ class SparseCoreTrainer(pz.Struct):
   step_fn: Any = dataclasses.field(metadata={"pytree_node": False})
   check_finite: bool = dataclasses.field(
     default=False, metadata={"pytree_node": False}
+  )
+  grouping: Any = dataclasses.field(
+    default=None, metadata={"pytree_node": False}
   )
 
   @classmethod
@@ -342,6 +386,7 @@ class SparseCoreTrainer(pz.Struct):
       loss_fn=loss_fn,
       step_fn=step_fn,
       check_finite=check_finite,
+      grouping=_Grouping(),
     )
 
   def step(self, **kwargs: Any) -> Any:
@@ -352,21 +397,8 @@ class SparseCoreTrainer(pz.Struct):
         is not finite; the variables are then unchanged (the step counter
         still advances).
     """
-    stateless_model, variables = pz.unbind_variables(self.model)
-    table_labels, slot_labels = _embed_labels(self.model)
-    groups = {k: [] for k in ("dense", "frozen", "state", "tables", "slots")}
-    for var in variables:
-      if var.label in table_labels:
-        groups["tables"].append(var)
-      elif var.label in slot_labels:
-        groups["slots"].append(var)
-      elif isinstance(var, pz.Parameter):
-        trainable = var.metadata.get("trainable", True)
-        groups["dense" if trainable else "frozen"].append(var)
-      elif isinstance(var, pz.StateVariable):
-        groups["state"].append(var)
-      else:
-        raise ValueError(f"unexpected variable type: {var}")
+    grouping = self.grouping or _Grouping()
+    stateless_model, groups = grouping.of(self.model)
     frozen = {k: pz.freeze_variables(tuple(v)) for k, v in groups.items()}
     # Positional, in `_trainer_step`'s order: keyword arguments would be
     # flattened in sorted order and pair donated buffers with the wrong
