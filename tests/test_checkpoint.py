@@ -24,41 +24,17 @@ VOCAB, SEQ, BATCH, DIM, HIDDEN = 60, 2, 16, 8, 16
 
 def build(g: int, s: int, rng: jax.Array | None) -> shakespeare.NextWordModel:
   """The Shakespeare model, small; `rng=None` gives variable slots."""
-  mesh = Mesh(np.array(jax.devices()[:g]), ("device",))
-  embed = SparseCoreEmbed.from_config(
-    "embed",
+  return shakespeare.build_model(
     rng,
-    shakespeare.feature_specs(
-      vocab_size=VOCAB,
-      seq_len=SEQ,
-      batch_size=BATCH,
-      embedding_dim=DIM,
-      optimizer=specs.AdamOptimizerSpec(learning_rate=0.05),
-    ),
-    mesh,
+    Mesh(np.array(jax.devices()[:g]), ("device",)),
+    vocab_size=VOCAB,
+    seq_len=SEQ,
+    batch_size=BATCH,
+    embedding_dim=DIM,
+    hidden=HIDDEN,
+    optimizer=specs.AdamOptimizerSpec(learning_rate=0.05),
     num_sc_per_device=s,
-    feature_axes=("batch", "seq"),
   )
-  dense_rng = None if rng is None else jax.random.fold_in(rng, 1)
-  body = pz.nn.Sequential(
-    [
-      pz.nn.Linear.from_config(
-        "hidden",
-        dense_rng,
-        input_axes={"seq": SEQ, "embedding": DIM},
-        output_axes={"hidden": HIDDEN},
-      ),
-      pz.nn.AddBias.from_config("hidden_bias", dense_rng, {"hidden": HIDDEN}),
-      pz.nn.Elementwise(jax.nn.relu),
-      pz.nn.Linear.from_config(
-        "logits",
-        dense_rng,
-        input_axes={"hidden": HIDDEN},
-        output_axes={"vocab": VOCAB},
-      ),
-    ]
-  )
-  return shakespeare.NextWordModel(embed=embed, body=body)
 
 
 def batch(seed: int):

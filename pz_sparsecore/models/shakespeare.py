@@ -91,7 +91,7 @@ def feature_specs(
 
 
 def build_model(
-  rng: jax.Array,
+  rng: jax.Array | None,
   mesh: Mesh,
   *,
   vocab_size: int,
@@ -103,8 +103,12 @@ def build_model(
   num_sc_per_device: int = 1,
   sharding_axis: str = "device",
 ) -> NextWordModel:
-  """Builds the model with its table sharded over `mesh`."""
-  embed_rng, dense_rng = jax.random.split(rng)
+  """Builds the model with its table sharded over `mesh`.
+
+  `rng=None` gives variable slots, to be filled by `restore_checkpoint`.
+  """
+  embed_rng, dense_rng = (None, None) if rng is None else jax.random.split(rng)
+  logits_rng = None if rng is None else jax.random.fold_in(dense_rng, 1)
   embed = SparseCoreEmbed.from_config(
     "embed",
     embed_rng,
@@ -132,7 +136,7 @@ def build_model(
       pz.nn.Elementwise(jax.nn.relu),
       pz.nn.Linear.from_config(
         "logits",
-        jax.random.fold_in(dense_rng, 1),
+        logits_rng,
         input_axes={"hidden": hidden},
         output_axes={"vocab": vocab_size},
       ),
