@@ -84,6 +84,7 @@ import numpy as np
 
 from pz_sparsecore import _preprocess_kernels as _kernels
 from pz_sparsecore import layout
+from pz_sparsecore import plan as plan_lib
 from pz_sparsecore.specs import FeatureSpec, StackedTableSpec
 
 PAD_ID = _kernels.PAD_ID
@@ -632,8 +633,43 @@ def preprocess_sparse_dense_matmul_input(
       f"sharding_strategy must be 'MOD', got {sharding_strategy!r}"
     )
   _check_topology(local_device_count, global_device_count, num_sc_per_device)
+  return preprocess_for_plan(
+    plan_lib.build(feature_specs, global_device_count, num_sc_per_device),
+    features,
+    features_weights,
+    local_device_count,
+    has_leading_dimension=has_leading_dimension,
+    allow_id_dropping=allow_id_dropping,
+  )
+
+
+def preprocess_for_plan(
+  plan: plan_lib.Plan,
+  features: Any,
+  features_weights: Any,
+  local_device_count: int,
+  *,
+  has_leading_dimension: bool = False,
+  allow_id_dropping: bool = False,
+) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
+  """`preprocess_sparse_dense_matmul_input` for an already built plan.
+
+  Args:
+    plan: The plan of the feature specs (`plan.build`).
+    features: Id batches structured like the plan's feature specs.
+    features_weights: None, or matching weights.
+    local_device_count: Devices of this process.
+    has_leading_dimension: Give the buffers a leading device axis.
+    allow_id_dropping: Drop ids over the limits instead of raising.
+
+  Returns:
+    The buffers and stats, as `preprocess_sparse_dense_matmul_input`.
+  """
+  global_device_count = plan.num_devices
+  num_sc_per_device = plan.num_sc_per_device
+  _check_topology(local_device_count, global_device_count, num_sc_per_device)
   num_local, num_sc = int(local_device_count), int(num_sc_per_device)
-  specs, treedef = _flatten_specs(feature_specs)
+  specs, treedef = list(plan.feature_specs), plan.treedef
   feature_leaves = _leaves_like(treedef, features, "features")
   if features_weights is None:
     weight_leaves = [None] * len(specs)

@@ -13,23 +13,13 @@ tables are stacked and sharded: every table gets a `TableSettingInStack` and a
 `StackedTableSpec`, every feature a `FeatureIdTransformation`. Those functions
 return new specs; nothing here is ever mutated in place.
 
-The names, fields, defaults and hyper-parameter orders are those of
-jax-tpu-embedding, so specs written for it port unchanged. The optimizer
-specs give each optimizer's slot initialisers and the hyper-parameters its
-fused update receives, in the order the kernels read them:
-
-* `SGDOptimizerSpec`: no slots; `(lr,)`.
-* `AdagradOptimizerSpec`: accumulator (0.1); `(lr,)`.
-* `AdagradMomentumOptimizerSpec`: accumulator (0.1), momentum (0);
-  `(lr, momentum, beta2, epsilon, exponent, use_nesterov)`.
-* `AdamOptimizerSpec`: momentum (0), velocity (0);
-  `(alpha_t, beta_1, beta_2, epsilon_hat)`.
-* `FTRLOptimizerSpec`: accumulator (0.1), linear (0);
-  `(lr, lr_power, l1, l2, beta)`.
-
-Adam's `alpha_t = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)` and
-`epsilon_hat = epsilon * sqrt(1 - beta_2**t)` carry the bias correction for
-`t = step + 1`, so the kernel needs no step of its own.
+The names, fields and defaults are those of jax-tpu-embedding, so specs
+written for it port unchanged. Each optimizer spec names its entry in the
+optimizer registry (`optimizers.py`), which holds its slots, the order of the
+hyper-parameters its fused update receives, and its row update; for example
+Adagrad has the slot `accumulator` (initial value 0.1) and reads `(lr,)`.
+Adam's hyper-parameters carry the bias correction for `t = step + 1`, so the
+kernel needs no step of its own.
 """
 
 from __future__ import annotations
@@ -39,10 +29,12 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+
+from pz_sparsecore import optimizers
 
 COMBINERS = ("sum", "mean", "sqrtn")
 DEFAULT_MAX_IDS_PER_PARTITION = 256
@@ -107,8 +99,11 @@ class OptimizerSpec:
 
   Attributes:
     learning_rate: A float, or a callable of no argument or of the step.
+    kernel_name: The optimizer's entry in `optimizers.REGISTRY` (a class
+      attribute of each subclass).
   """
 
+  kernel_name: ClassVar[str]
   learning_rate: LearningRate = 0.001
 
   def __post_init__(self):
@@ -125,9 +120,14 @@ class OptimizerSpec:
       if field.type in ("float", float):
         _check_finite(type(self).__name__, field.name, value)
 
+  @property
+  def definition(self) -> optimizers.Optimizer:
+    """The optimizer's registry entry (slots, hyper-parameters, update)."""
+    return optimizers.get(self.kernel_name)
+
   def short_name(self) -> str:
     """The optimizer's name as the kernels know it."""
-    raise NotImplementedError
+    return self.kernel_name
 
   def get_learning_rate(self, step: jax.Array | int | None = None) -> jax.Array:
     """The learning rate at `step` as a float32 scalar.
@@ -160,39 +160,30 @@ class OptimizerSpec:
     self, step: jax.Array | int | None = None
   ) -> tuple[jax.Array, ...]:
     """The float32 hyper-parameters of the update at `step`, in kernel order."""
-    return (self.get_learning_rate(step),)
+    return self.definition.hyperparameters(
+      self, self.get_learning_rate(step), step
+    )
 
   def slot_variables_initializers(self) -> tuple[Initializer, ...]:
     """A NamedTuple of initialisers, one per slot (empty for SGD)."""
-    return ()
+    return self.definition.slot_tuple_type(
+      *(
+        _constant(
+          getattr(self, s.initial_value_field) if s.initial_value_field else 0.0
+        )
+        for s in self.definition.slots
+      )
+    )
 
   def slot_names(self) -> tuple[str, ...]:
     """The names of the slots, in kernel order."""
-    slots = self.slot_variables_initializers()
-    return tuple(getattr(slots, "_fields", ()))
+    return self.definition.slot_names
 
-
-class _NoSlots(NamedTuple):
-  pass
-
-
-class AdagradSlots(NamedTuple):
-  accumulator: Initializer
-
-
-class AdagradMomentumSlots(NamedTuple):
-  accumulator: Initializer
-  momentum: Initializer
-
-
-class AdamSlots(NamedTuple):
-  momentum: Initializer
-  velocity: Initializer
-
-
-class FTRLSlots(NamedTuple):
-  accumulator: Initializer
-  linear: Initializer
+  def static_attributes(self) -> dict[str, Any]:
+    """The compile-time switches of the update (e.g. FTRL's variant)."""
+    return {
+      name: getattr(self, name) for name in self.definition.static_attributes
+    }
 
 
 def _constant(value: float) -> Initializer:
@@ -203,32 +194,26 @@ def _constant(value: float) -> Initializer:
 class SGDOptimizerSpec(OptimizerSpec):
   """Plain SGD: `w <- w - lr * g`."""
 
+  kernel_name: ClassVar[str] = "sgd"
+
   learning_rate: LearningRate = 0.001
-
-  def short_name(self) -> str:
-    return "sgd"
-
-  def slot_variables_initializers(self) -> _NoSlots:
-    return _NoSlots()
 
 
 @dataclasses.dataclass(frozen=True)
 class AdagradOptimizerSpec(OptimizerSpec):
   """Adagrad: `a <- a + g**2; w <- w - lr * g / sqrt(a)`."""
 
+  kernel_name: ClassVar[str] = "adagrad"
+
   learning_rate: LearningRate = 0.001
   initial_accumulator_value: float = 0.1
-
-  def short_name(self) -> str:
-    return "adagrad"
-
-  def slot_variables_initializers(self) -> AdagradSlots:
-    return AdagradSlots(_constant(self.initial_accumulator_value))
 
 
 @dataclasses.dataclass(frozen=True)
 class AdagradMomentumOptimizerSpec(OptimizerSpec):
   """Adagrad with momentum (and optional Nesterov), as upstream."""
+
+  kernel_name: ClassVar[str] = "adagrad_momentum"
 
   learning_rate: LearningRate = 0.001
   momentum: float = 0.9
@@ -239,56 +224,24 @@ class AdagradMomentumOptimizerSpec(OptimizerSpec):
   initial_accumulator_value: float = 0.1
   initial_momentum_value: float = 0.0
 
-  def short_name(self) -> str:
-    return "adagrad_momentum"
-
-  def get_hyperparameters(self, step=None) -> tuple[jax.Array, ...]:
-    f32 = lambda x: jnp.asarray(x, dtype=jnp.float32)
-    return (
-      self.get_learning_rate(step),
-      f32(self.momentum),
-      f32(self.beta2),
-      f32(self.epsilon),
-      f32(self.exponent),
-      f32(1.0 if self.use_nesterov else 0.0),
-    )
-
-  def slot_variables_initializers(self) -> AdagradMomentumSlots:
-    return AdagradMomentumSlots(
-      _constant(self.initial_accumulator_value),
-      _constant(self.initial_momentum_value),
-    )
-
 
 @dataclasses.dataclass(frozen=True)
 class AdamOptimizerSpec(OptimizerSpec):
   """Adam with bias correction from the true step (`t = step + 1`)."""
+
+  kernel_name: ClassVar[str] = "adam"
 
   learning_rate: LearningRate = 0.001
   beta_1: float = 0.9
   beta_2: float = 0.999
   epsilon: float = 1e-08
 
-  def short_name(self) -> str:
-    return "adam"
-
-  def get_hyperparameters(self, step=None) -> tuple[jax.Array, ...]:
-    lr = self.get_learning_rate(step)
-    t = jnp.asarray(0 if step is None else step, dtype=jnp.float32) + 1.0
-    b1 = jnp.float32(self.beta_1)
-    b2 = jnp.float32(self.beta_2)
-    c = jnp.sqrt(1.0 - b2**t)
-    alpha_t = lr * c / (1.0 - b1**t)
-    epsilon_hat = jnp.float32(self.epsilon) * c
-    return (alpha_t, b1, b2, epsilon_hat)
-
-  def slot_variables_initializers(self) -> AdamSlots:
-    return AdamSlots(_constant(0.0), _constant(0.0))
-
 
 @dataclasses.dataclass(frozen=True)
 class FTRLOptimizerSpec(OptimizerSpec):
   """Follow-the-regularized-leader, as upstream."""
+
+  kernel_name: ClassVar[str] = "ftrl"
 
   learning_rate: LearningRate = 0.01
   learning_rate_power: float = -0.5
@@ -298,25 +251,6 @@ class FTRLOptimizerSpec(OptimizerSpec):
   initial_accumulator_value: float = 0.1
   initial_linear_value: float = 0.0
   multiply_linear_by_learning_rate: bool = False
-
-  def short_name(self) -> str:
-    return "ftrl"
-
-  def get_hyperparameters(self, step=None) -> tuple[jax.Array, ...]:
-    f32 = lambda x: jnp.asarray(x, dtype=jnp.float32)
-    return (
-      self.get_learning_rate(step),
-      f32(self.learning_rate_power),
-      f32(self.l1_regularization_strength),
-      f32(self.l2_regularization_strength),
-      f32(self.beta),
-    )
-
-  def slot_variables_initializers(self) -> FTRLSlots:
-    return FTRLSlots(
-      _constant(self.initial_accumulator_value),
-      _constant(self.initial_linear_value),
-    )
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,235 @@
+"""The optimizer registry: one entry per optimizer of the fused update.
+
+An entry says everything the rest of the package needs to know about one
+optimizer: the kernel name, its slot variables (names, in operand order, and
+the spec field holding each one's initial value), its hyper-parameters (names
+and order of the float32 vector the kernels read, and how a spec computes
+them at a step), its static attributes (compile-time switches passed to the
+kernels), and its per-row update as a JAX function. That function is the
+reference the C++ and CUDA row updates (`csrc/optimizers.h`) are tested
+against; the equations are upstream's (research notes, section 4.3).
+
+The optimizer specs (`specs.py`) read their slots and hyper-parameters from
+here; the reference kernel, the FFI wrappers and the routing look entries up
+by name instead of branching on strings. Adding an optimizer is one entry
+here, its spec class, and its C++ (and CUDA) row update.
+
+Example: Adagrad has one slot, `accumulator`, initialised from the spec's
+`initial_accumulator_value`, and reads `(learning_rate,)`; for a row `w`
+with gradient `g`: `a <- a + g**2; w <- w - lr * g / sqrt(a)`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Rows = jax.Array
+RowUpdate = Callable[..., tuple[Rows, tuple[Rows, ...]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+  """One slot variable of an optimizer.
+
+  Attributes:
+    name: The slot's name (variable labels end in it).
+    initial_value_field: The spec field holding its initial value, or None
+      for a slot that starts at 0.
+  """
+
+  name: str
+  initial_value_field: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+  """One optimizer of the fused update.
+
+  Attributes:
+    name: The kernels' name (`"adagrad"`; FFI target suffix).
+    slots: The slot variables, in operand order.
+    hyperparameter_names: The entries of the hyper-parameter vector.
+    hyperparameters: `(spec, learning_rate, step) -> tuple` of float32
+      scalars in `hyperparameter_names` order.
+    update: `(rows, slot_rows, grads, h, **static) -> (rows, slot_rows)`,
+      elementwise on `[n, dim]` rows; `h` is the hyper-parameter vector.
+    static_attributes: Spec fields passed to the kernels as compile-time
+      attributes (and to `update` as keywords).
+  """
+
+  name: str
+  slots: tuple[Slot, ...]
+  hyperparameter_names: tuple[str, ...]
+  hyperparameters: Callable[[Any, jax.Array, Any], tuple[jax.Array, ...]]
+  update: RowUpdate
+  static_attributes: tuple[str, ...] = ()
+
+  @property
+  def slot_names(self) -> tuple[str, ...]:
+    return tuple(slot.name for slot in self.slots)
+
+  @functools.cached_property
+  def slot_tuple_type(self) -> type:
+    """The NamedTuple type of this optimizer's slot initialisers
+    (`AdagradSlots(accumulator=...)`)."""
+    type_name = "".join(part.title() for part in self.name.split("_"))
+    return collections.namedtuple(type_name + "Slots", self.slot_names)
+
+
+def _f32(x: Any) -> jax.Array:
+  return jnp.asarray(x, dtype=jnp.float32)
+
+
+# ---------------------------------------------------------------------------
+# Row updates.
+
+
+def _sgd(w, slots, g, h):
+  del slots
+  return w - h[0] * g, ()
+
+
+def _adagrad(w, slots, g, h):
+  (a,) = slots
+  a = a + g * g
+  return w - h[0] * g / jnp.sqrt(a), (a,)
+
+
+def _adagrad_momentum(w, slots, g, h):
+  a, m = slots
+  lr, momentum, beta2, eps, exponent, nesterov = (h[i] for i in range(6))
+  a = jnp.where(beta2 == 1.0, a + g * g, beta2 * a + (1.0 - beta2) * g * g)
+  scaled = jnp.power(a + eps, -1.0 / exponent) * g
+  m = momentum * m + scaled
+  delta = jnp.where(nesterov != 0.0, momentum * m + scaled, m)
+  return w - lr * delta, (a, m)
+
+
+def _adam(w, slots, g, h):
+  m, v = slots
+  alpha, b1, b2, eps = (h[i] for i in range(4))
+  m = m + (1.0 - b1) * (g - m)
+  v = v + (1.0 - b2) * (g * g - v)
+  return w - alpha * m / (jnp.sqrt(v) + eps), (m, v)
+
+
+def _ftrl(w, slots, g, h, *, multiply_linear_by_learning_rate=False):
+  a, lin = slots
+  lr, k, l1, l2, beta = (h[i] for i in range(5))
+  a_new = a + g * g
+  p_new = jnp.power(a_new, -k)
+  dp = p_new - jnp.power(a, -k)
+  if multiply_linear_by_learning_rate:
+    lin = lin + lr * g - dp * w
+    l1s = l1 * lr
+    den = p_new + 2.0 * lr * l2 + beta
+  else:
+    lin = lin + g - (dp / lr) * w
+    l1s = l1
+    den = (p_new + beta) / lr + 2.0 * l2
+  num = jnp.where(l1 == 0.0, -lin, jnp.clip(lin, -l1s, l1s) - lin)
+  return num / den, (a_new, lin)
+
+
+# ---------------------------------------------------------------------------
+# Hyper-parameters at a step.
+
+
+def _lr_only(spec, lr, step):
+  del spec, step
+  return (lr,)
+
+
+def _adagrad_momentum_hyper(spec, lr, step):
+  del step
+  return (
+    lr,
+    _f32(spec.momentum),
+    _f32(spec.beta2),
+    _f32(spec.epsilon),
+    _f32(spec.exponent),
+    _f32(1.0 if spec.use_nesterov else 0.0),
+  )
+
+
+def _adam_hyper(spec, lr, step):
+  """Bias correction for `t = step + 1`, folded into two scalars."""
+  t = _f32(0 if step is None else step) + 1.0
+  b1, b2 = jnp.float32(spec.beta_1), jnp.float32(spec.beta_2)
+  c = jnp.sqrt(1.0 - b2**t)
+  return (lr * c / (1.0 - b1**t), b1, b2, jnp.float32(spec.epsilon) * c)
+
+
+def _ftrl_hyper(spec, lr, step):
+  del step
+  return (
+    lr,
+    _f32(spec.learning_rate_power),
+    _f32(spec.l1_regularization_strength),
+    _f32(spec.l2_regularization_strength),
+    _f32(spec.beta),
+  )
+
+
+_ACCUMULATOR = Slot("accumulator", "initial_accumulator_value")
+
+REGISTRY: dict[str, Optimizer] = {
+  opt.name: opt
+  for opt in (
+    Optimizer("sgd", (), ("learning_rate",), _lr_only, _sgd),
+    Optimizer(
+      "adagrad", (_ACCUMULATOR,), ("learning_rate",), _lr_only, _adagrad
+    ),
+    Optimizer(
+      "adagrad_momentum",
+      (_ACCUMULATOR, Slot("momentum", "initial_momentum_value")),
+      (
+        "learning_rate",
+        "momentum",
+        "beta2",
+        "epsilon",
+        "exponent",
+        "use_nesterov",
+      ),
+      _adagrad_momentum_hyper,
+      _adagrad_momentum,
+    ),
+    Optimizer(
+      "adam",
+      (Slot("momentum"), Slot("velocity")),
+      ("alpha_t", "beta_1", "beta_2", "epsilon_hat"),
+      _adam_hyper,
+      _adam,
+    ),
+    Optimizer(
+      "ftrl",
+      (_ACCUMULATOR, Slot("linear", "initial_linear_value")),
+      ("learning_rate", "learning_rate_power", "l1", "l2", "beta"),
+      _ftrl_hyper,
+      _ftrl,
+      static_attributes=("multiply_linear_by_learning_rate",),
+    ),
+  )
+}
+"""Optimizers of the fused update, by kernel name."""
+
+
+def get(name: str) -> Optimizer:
+  """The registry entry of optimizer `name`.
+
+  Raises:
+    ValueError: If no optimizer has that name.
+  """
+  try:
+    return REGISTRY[name]
+  except KeyError:
+    raise ValueError(
+      f"Unknown optimizer {name!r}; expected one of {sorted(REGISTRY)}."
+    ) from None

@@ -1,0 +1,324 @@
+"""The plan: every static fact about prepared feature specs on a topology.
+
+`build(feature_specs, global_device_count, num_sc_per_device)` validates
+prepared specs once and returns a frozen, hashable `Plan`: the topology
+counts, the specs in pytree-leaf order, and per stack (in first-appearance
+order) its member tables in row order, its features in sample order with
+their offsets, and the sizes of its shards, buffers and routing windows.
+Preprocessing, the shard_map routing, the layer, the figures, FDO and
+checkpoints read these facts from the plan instead of re-deriving them from
+the specs; the plan is `jit`-static.
+
+Example: `G = 2` devices, `S = 1`, so `N = 2`; table `words` (vocab 100,
+dim 16) prepared alone, feature `w` of 64 samples, `max_ids_per_partition`
+32. Its stack `words` has `rows_per_shard = r(100, 16) / 2 = 56`,
+`samples_per_sc = 32`, `row_pointers_per_sc = max(2, 8) = 8`,
+`coo_per_device = r8(32) * 1 * 2 = 64` (one segment of 64 entries) and a
+routing window of `S * r8(32) = 32` entries; feature `w` starts at sample 0
+of each SparseCore's 32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+
+from pz_sparsecore import buffer_format
+from pz_sparsecore.specs import (
+  FeatureSpec,
+  OptimizerSpec,
+  StackedTableSpec,
+  TableSpec,
+)
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class FeaturePlan:
+  """Where one feature's ids and samples go in its stack.
+
+  Attributes:
+    spec: The prepared `FeatureSpec`.
+    sample_offset: First SparseCore-local sample (`row_offset / N`).
+    samples_per_sc: `n_f`, the feature's samples per SparseCore.
+    row_offset_in_shard: First row of the feature's table in every shard.
+    shard_rotation: The table's rotation (`col_shift % N`).
+  """
+
+  spec: FeatureSpec
+  sample_offset: int
+  samples_per_sc: int
+  row_offset_in_shard: int
+  shard_rotation: int
+
+  @property
+  def name(self) -> str:
+    return self.spec.name
+
+  @property
+  def dim(self) -> int:
+    """The feature's output width."""
+    return self.spec.output_shape[-1]
+
+  @property
+  def output_shape(self) -> tuple[int, ...]:
+    return tuple(self.spec.output_shape)
+
+  @property
+  def vocabulary_size(self) -> int:
+    return self.spec.table_spec.vocabulary_size
+
+
+@dataclasses.dataclass(frozen=True)
+class StackPlan:
+  """Static shapes of one stack on a topology.
+
+  Attributes:
+    spec: The stack's `StackedTableSpec` (limits, optimizer, combiner).
+    tables: Member tables in row order inside the shards.
+    features: Features in sample order (`row_offset`).
+    rows_per_shard: `V_shard`, rows of one shard.
+    samples_per_sc: Samples of one SparseCore (all features).
+    row_pointers_per_sc: Row pointers of one SparseCore segment.
+    coo_per_device: COO entries per device (`C_dev`).
+    coo_per_sc: COO entries of one SparseCore segment (`C_dev / S`).
+    window: Entries one source SparseCore can send one device,
+      `S * r8(max_ids_per_partition)`.
+  """
+
+  spec: StackedTableSpec
+  tables: tuple[TableSpec, ...]
+  features: tuple[FeaturePlan, ...]
+  rows_per_shard: int
+  samples_per_sc: int
+  row_pointers_per_sc: int
+  coo_per_device: int
+  coo_per_sc: int
+  window: int
+
+  @property
+  def name(self) -> str:
+    return self.spec.stack_name
+
+  @property
+  def dim(self) -> int:
+    return self.spec.stack_embedding_dim
+
+  @property
+  def optimizer(self) -> OptimizerSpec:
+    return self.spec.optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Prepared feature specs laid out on `num_devices x num_sc_per_device`.
+
+  Attributes:
+    feature_specs: The prepared specs, in pytree-leaf order.
+    treedef: The structure of the user's feature spec tree.
+    num_devices: G, devices the tables are sharded over.
+    num_sc_per_device: S, (virtual) SparseCores per device.
+    stacks: Per stack, in first-appearance order.
+  """
+
+  feature_specs: tuple[FeatureSpec, ...]
+  treedef: Any
+  num_devices: int
+  num_sc_per_device: int
+  stacks: tuple[StackPlan, ...]
+
+  @property
+  def num_shards(self) -> int:
+    """N = G x S."""
+    return self.num_devices * self.num_sc_per_device
+
+  @property
+  def specs_tree(self) -> Any:
+    """The prepared feature specs in the user's structure."""
+    return jax.tree.unflatten(self.treedef, self.feature_specs)
+
+  @functools.cached_property
+  def stack_by_name(self) -> dict[str, StackPlan]:
+    return {stack.name: stack for stack in self.stacks}
+
+  @functools.cached_property
+  def tables(self) -> dict[str, TableSpec]:
+    """Every table by name, stack by stack in row order."""
+    return {t.name: t for stack in self.stacks for t in stack.tables}
+
+  @functools.cached_property
+  def stack_of_table(self) -> dict[str, StackPlan]:
+    return {t.name: stack for stack in self.stacks for t in stack.tables}
+
+  @functools.cached_property
+  def features(self) -> dict[str, FeaturePlan]:
+    """Every feature by name, in pytree-leaf order."""
+    plans = {f.name: f for stack in self.stacks for f in stack.features}
+    return {spec.name: plans[spec.name] for spec in self.feature_specs}
+
+  def stack(self, name: str) -> StackPlan:
+    """The plan of stack `name`.
+
+    Raises:
+      ValueError: If there is no such stack.
+    """
+    if name not in self.stack_by_name:
+      raise ValueError(
+        f"unknown stack {name!r}; the stacks are {list(self.stack_by_name)}"
+      )
+    return self.stack_by_name[name]
+
+
+def _flatten_specs(feature_specs: Any) -> tuple[list[FeatureSpec], Any]:
+  """The prepared `FeatureSpec` leaves and the tree's structure."""
+  leaves, treedef = jax.tree.flatten(
+    feature_specs, is_leaf=lambda x: isinstance(x, FeatureSpec)
+  )
+  if not leaves:
+    raise ValueError("feature_specs holds no FeatureSpec")
+  names = set()
+  for leaf in leaves:
+    if not isinstance(leaf, FeatureSpec):
+      raise ValueError(
+        f"feature_specs must hold FeatureSpec leaves, got {type(leaf).__name__}"
+      )
+    if leaf.name in names:
+      raise ValueError(f"feature name {leaf.name!r} is used twice")
+    names.add(leaf.name)
+    table = leaf.table_spec
+    if table.stacked_table_spec is None or leaf.id_transformation is None:
+      raise ValueError(
+        f"feature {leaf.name!r}: its specs are not prepared (table "
+        f"{table.name!r} has no stacked_table_spec); call "
+        "layout.prepare_feature_specs_for_training first"
+      )
+  return leaves, treedef
+
+
+def _check_stack(
+  features: list[FeatureSpec], stacked: StackedTableSpec, g: int, s: int
+) -> None:
+  """Checks that a stack was prepared for `g x s` shards and adds up."""
+  name, n = stacked.stack_name, g * s
+  if stacked.stack_vocab_size % n:
+    raise ValueError(
+      f"stack {name!r}: stack_vocab_size {stacked.stack_vocab_size} does not"
+      f" split over {n} shards; were the specs prepared for {g} devices x "
+      f"{s} SparseCores?"
+    )
+  if stacked.stack_vocab_size // n > _INT32_MAX:
+    raise ValueError(f"stack {name!r}: too many rows per shard")
+  for spec in features:
+    padded = spec.table_spec.setting_in_stack.padded_vocab_size
+    if padded % (buffer_format.ALIGNMENT * n):
+      raise ValueError(
+        f"feature {spec.name!r}: table {spec.table_spec.name!r} was prepared "
+        f"for another topology: its padded vocabulary {padded} does not "
+        f"split over {n} shards (of a multiple of {buffer_format.ALIGNMENT} "
+        "rows)"
+      )
+  samples = sum(f.sample_count for f in features)
+  if stacked.total_sample_count != samples:
+    raise ValueError(
+      f"stack {name!r}: total_sample_count {stacked.total_sample_count} is "
+      f"not the sum {samples} of its features' sample counts"
+    )
+
+
+def _feature_plan(spec: FeatureSpec, n: int) -> FeaturePlan:
+  transform = spec.id_transformation
+  return FeaturePlan(
+    spec=spec,
+    sample_offset=transform.row_offset // n,
+    samples_per_sc=spec.sample_count // n,
+    row_offset_in_shard=transform.col_offset // n,
+    shard_rotation=transform.col_shift % n,
+  )
+
+
+def _stack_plan(features: list[FeatureSpec], g: int, s: int) -> StackPlan:
+  stacked = features[0].table_spec.stacked_table_spec
+  _check_stack(features, stacked, g, s)
+  n = g * s
+  coo = buffer_format.coo_buffer_size_per_device(
+    stacked.stack_name,
+    stacked.max_ids_per_partition,
+    stacked.suggested_coo_buffer_size_per_device,
+    g,
+    s,
+  )
+  features = sorted(features, key=lambda f: f.id_transformation.row_offset)
+  tables = {f.table_spec.name: f.table_spec for f in features}
+  return StackPlan(
+    spec=stacked,
+    tables=tuple(
+      sorted(
+        tables.values(), key=lambda t: t.setting_in_stack.row_offset_in_shard
+      )
+    ),
+    features=tuple(_feature_plan(f, n) for f in features),
+    rows_per_shard=stacked.stack_vocab_size // n,
+    samples_per_sc=stacked.total_sample_count // n,
+    row_pointers_per_sc=buffer_format.row_pointers_per_sc(n),
+    coo_per_device=coo,
+    coo_per_sc=coo // s,
+    window=s * buffer_format.round_up(stacked.max_ids_per_partition),
+  )
+
+
+def _build(
+  leaves: tuple[FeatureSpec, ...], treedef: Any, g: int, s: int
+) -> Plan:
+  by_stack: dict[str, list[FeatureSpec]] = {}
+  for spec in leaves:
+    stack = spec.table_spec.stacked_table_spec.stack_name
+    by_stack.setdefault(stack, []).append(spec)
+  return Plan(
+    feature_specs=leaves,
+    treedef=treedef,
+    num_devices=g,
+    num_sc_per_device=s,
+    stacks=tuple(_stack_plan(group, g, s) for group in by_stack.values()),
+  )
+
+
+def build(
+  feature_specs: Any, global_device_count: int, num_sc_per_device: int
+) -> Plan:
+  """The plan of prepared `feature_specs` on `G x S` SparseCores.
+
+  Plans are cached: the same specs on the same topology give the same plan.
+
+  Args:
+    feature_specs: A pytree of `FeatureSpec`s prepared with
+      `layout.prepare_feature_specs_for_training` (or a `Plan`, returned as
+      is when its topology matches).
+    global_device_count: G, devices the tables are sharded over.
+    num_sc_per_device: S, (virtual) SparseCores per device.
+
+  Returns:
+    The frozen, hashable plan.
+
+  Raises:
+    ValueError: On a bad topology, specs that are not prepared (or were
+      prepared for another topology), repeated names, or a suggested buffer
+      size above the theoretical maximum.
+  """
+  buffer_format.num_shards(global_device_count, num_sc_per_device)
+  g, s = int(global_device_count), int(num_sc_per_device)
+  if isinstance(feature_specs, Plan):
+    if (feature_specs.num_devices, feature_specs.num_sc_per_device) == (g, s):
+      return feature_specs
+    feature_specs = feature_specs.specs_tree
+  leaves, treedef = _flatten_specs(feature_specs)
+  try:
+    return _cached_build(tuple(leaves), treedef, g, s)
+  except TypeError:  # A spec holds something unhashable: plan afresh.
+    return _build(tuple(leaves), treedef, g, s)
+
+
+_cached_build = functools.lru_cache(maxsize=64)(_build)
