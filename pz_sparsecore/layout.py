@@ -42,6 +42,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from pz_sparsecore.buffer_format import ALIGNMENT, num_shards, round_up
 from pz_sparsecore.specs import (
   FeatureIdTransformation,
   FeatureSpec,
@@ -50,41 +51,11 @@ from pz_sparsecore.specs import (
   TableSpec,
 )
 
-ROW_ALIGNMENT = 8
 DEFAULT_ACTIVATION_MEM_BYTES_LIMIT = 2 * 1024 * 1024
 _MAX_STACK_NAME_DISPLAY = 50
 _STACK_NAME_HASH_LENGTH = 12
 
 LimitsCallable = Callable[[str, int], int]
-
-
-def round_up(value: int, multiple: int) -> int:
-  """`value` rounded up to a multiple of `multiple`."""
-  return -(-value // multiple) * multiple
-
-
-def num_shards(global_device_count: int, num_sc_per_device: int) -> int:
-  """The number of table shards `N = devices x SparseCores`, validated.
-
-  Raises:
-    ValueError: If either count is not a positive integer or N is not a power
-      of two.
-  """
-  for name, value in (
-    ("global_device_count", global_device_count),
-    ("num_sc_per_device", num_sc_per_device),
-  ):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-      raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if value <= 0:
-      raise ValueError(f"{name} must be a positive integer, got {value!r}")
-  n = int(global_device_count) * int(num_sc_per_device)
-  if n & (n - 1):
-    raise ValueError(
-      f"devices x SparseCores must be a power of two, got "
-      f"{global_device_count} x {num_sc_per_device} = {n}"
-    )
-  return n
 
 
 def get_default_limits(name: str, batch_size: int) -> int:
@@ -145,11 +116,19 @@ def get_stacked_table_specs(feature_specs: Any) -> dict[str, StackedTableSpec]:
   return stacks
 
 
-def get_table_stacks(feature_specs: Any) -> dict[str, list[TableSpec]]:
-  """The member tables of each stack, in row order inside the shards."""
-  stacks: dict[str, list[TableSpec]] = collections.defaultdict(list)
-  for table in get_table_specs(feature_specs).values():
-    stacks[table.setting_in_stack.stack_name].append(table)
+def get_table_stacks(table_specs: Any) -> dict[str, list[TableSpec]]:
+  """The member tables of each stack, in row order inside the shards.
+
+  Args:
+    table_specs: A pytree of prepared `TableSpec`s or `FeatureSpec`s.
+
+  Returns:
+    Stack name (first-appearance order) → its tables, by
+    `row_offset_in_shard`.
+  """
+  stacks: dict[str, list[TableSpec]] = {}
+  for table in _table_list(table_specs):
+    stacks.setdefault(table.setting_in_stack.stack_name, []).append(table)
   return {
     name: sorted(tables, key=lambda t: t.setting_in_stack.row_offset_in_shard)
     for name, tables in stacks.items()
@@ -225,8 +204,45 @@ def stack_tables(
   if not table_names:
     raise ValueError("stack_tables needs at least one table name")
   stack_name = stack_name or _stack_name(table_names, True)
-  features = _feature_leaves(feature_specs)
   tables = get_table_specs(feature_specs)
+  _check_stackable(tables, table_names, stack_name)
+  members = [tables[name] for name in table_names]
+  stack_dim = _stack_width(members, stack_name, fail_on_excess_padding)
+  rotation = num_sc_per_device if rotation is None else rotation
+  settings = _member_settings(members, stack_name, stack_dim, rotation, n)
+  transformations, sample_count = _sample_offsets(
+    _feature_leaves(feature_specs), settings, n
+  )
+  if sample_count == 0:
+    raise ValueError(f"stack {stack_name!r}: no feature uses its tables")
+  limits = _stack_limits(
+    members,
+    stack_name,
+    sample_count,
+    stack_to_max_ids_per_partition,
+    stack_to_max_unique_ids_per_partition,
+  )
+  stacked = _stacked_spec(
+    members[0],
+    stack_name,
+    sum(s.padded_vocab_size for s in settings.values()),
+    stack_dim,
+    sample_count,
+    limits,
+  )
+  new_tables = {
+    t.name: t.replace(
+      setting_in_stack=settings[t.name], stacked_table_spec=stacked
+    )
+    for t in members
+  }
+  return _replace_features(feature_specs, new_tables, transformations)
+
+
+def _check_stackable(
+  tables: Mapping[str, TableSpec], table_names: list[str], stack_name: str
+) -> None:
+  """Raises unless the named tables can form a new stack `stack_name`."""
   repeated = [t for t, c in collections.Counter(table_names).items() if c > 1]
   if repeated:
     raise ValueError(
@@ -259,71 +275,109 @@ def stack_tables(
         f"tables {table_names} in stack {stack_name!r} have different combiners"
       )
 
-  padded_dims = {
-    t: round_up(tables[t].embedding_dim, ROW_ALIGNMENT) for t in table_names
-  }
-  stack_dim = max(padded_dims.values())
+
+def _stack_width(
+  members: list[TableSpec], stack_name: str, fail_on_excess_padding: bool
+) -> int:
+  """The stack's row width: the widest member's, rounded up to 8."""
+  padded_dims = {t.name: round_up(t.embedding_dim) for t in members}
   if fail_on_excess_padding and len(set(padded_dims.values())) > 1:
     raise ValueError(
       f"stack {stack_name!r}: padded widths {padded_dims} differ; stack tables "
       "whose widths round up to the same multiple of 8"
     )
-  rotation = num_sc_per_device if rotation is None else rotation
+  return max(padded_dims.values())
 
+
+def _member_settings(
+  members: list[TableSpec], stack_name: str, dim: int, rotation: int, n: int
+) -> dict[str, TableSettingInStack]:
+  """Each member's rows in every shard: one after another, rotated by
+  `k * rotation mod N`."""
   settings: dict[str, TableSettingInStack] = {}
   row_offset_in_shard = 0
-  for k, name in enumerate(table_names):
-    padded_vocab = round_up(tables[name].vocabulary_size, ROW_ALIGNMENT * n)
-    settings[name] = TableSettingInStack(
+  for k, table in enumerate(members):
+    settings[table.name] = TableSettingInStack(
       stack_name=stack_name,
-      padded_vocab_size=padded_vocab,
-      padded_embedding_dim=stack_dim,
+      padded_vocab_size=_padded_vocab(table, n),
+      padded_embedding_dim=dim,
       row_offset_in_shard=row_offset_in_shard,
       shard_rotation=(k * rotation) % n,
     )
-    row_offset_in_shard += padded_vocab // n
+    row_offset_in_shard += settings[table.name].padded_vocab_size // n
+  return settings
 
+
+def _padded_vocab(table: TableSpec, n: int) -> int:
+  """The vocabulary rounded up so that every shard gets a multiple of 8."""
+  return round_up(table.vocabulary_size, ALIGNMENT * n)
+
+
+def _sample_offsets(
+  features: list[FeatureSpec],
+  settings: Mapping[str, TableSettingInStack],
+  n: int,
+) -> tuple[dict[str, FeatureIdTransformation], int]:
+  """Consecutive sample offsets for the features of the stacked tables."""
   transformations: dict[str, FeatureIdTransformation] = {}
   sample_count = 0
   for feature in features:
-    name = feature.table_spec.name
-    if name not in settings:
+    setting = settings.get(feature.table_spec.name)
+    if setting is None:
       continue
     transformations[feature.name] = FeatureIdTransformation(
       row_offset=sample_count,
-      col_offset=settings[name].row_offset_in_shard * n,
-      col_shift=settings[name].shard_rotation,
+      col_offset=setting.row_offset_in_shard * n,
+      col_shift=setting.shard_rotation,
     )
     sample_count += feature.sample_count
-  if sample_count == 0:
-    raise ValueError(f"stack {stack_name!r}: no feature uses its tables")
+  return transformations, sample_count
 
-  if len(table_names) == 1:
-    max_ids = first.max_ids_per_partition
-    max_unique = first.max_unique_ids_per_partition
-    suggested = first.suggested_coo_buffer_size_per_device
-  else:
-    max_ids = stack_to_max_ids_per_partition(stack_name, sample_count)
-    max_unique = stack_to_max_unique_ids_per_partition(stack_name, sample_count)
-    suggested = None
-  stacked = StackedTableSpec(
+
+def _stack_limits(
+  members: list[TableSpec],
+  stack_name: str,
+  sample_count: int,
+  max_ids: LimitsCallable,
+  max_unique: LimitsCallable,
+) -> dict[str, Any]:
+  """A stack's limits: its table's when alone, else from the callables."""
+  if len(members) == 1:
+    return _table_limits(members[0])
+  return dict(
+    max_ids_per_partition=max_ids(stack_name, sample_count),
+    max_unique_ids_per_partition=max_unique(stack_name, sample_count),
+  )
+
+
+def _table_limits(table: TableSpec) -> dict[str, Any]:
+  """A one-table stack keeps its table's limits and buffer size."""
+  return dict(
+    max_ids_per_partition=table.max_ids_per_partition,
+    max_unique_ids_per_partition=table.max_unique_ids_per_partition,
+    suggested_coo_buffer_size_per_device=(
+      table.suggested_coo_buffer_size_per_device
+    ),
+  )
+
+
+def _stacked_spec(
+  first: TableSpec,
+  stack_name: str,
+  vocab: int,
+  dim: int,
+  sample_count: int,
+  limits: Mapping[str, Any],
+) -> StackedTableSpec:
+  return StackedTableSpec(
     stack_name=stack_name,
-    stack_vocab_size=sum(s.padded_vocab_size for s in settings.values()),
-    stack_embedding_dim=stack_dim,
+    stack_vocab_size=vocab,
+    stack_embedding_dim=dim,
     optimizer=first.optimizer,
     combiner=first.combiner,
     total_sample_count=sample_count,
-    max_ids_per_partition=max_ids,
-    max_unique_ids_per_partition=max_unique,
-    suggested_coo_buffer_size_per_device=suggested,
+    **limits,
   )
-  new_tables = {
-    name: tables[name].replace(
-      setting_in_stack=settings[name], stacked_table_spec=stacked
-    )
-    for name in table_names
-  }
-  return _replace_features(feature_specs, new_tables, transformations)
 
 
 def auto_stack_tables(
@@ -359,16 +413,14 @@ def auto_stack_tables(
     if table.stacked_table_spec is not None:
       continue
     key = (
-      round_up(table.embedding_dim, ROW_ALIGNMENT),
+      round_up(table.embedding_dim),
       table.optimizer,
       table.combiner,
     )
     groups.setdefault(key, []).append(name)
 
   def mem_bytes(name: str) -> int:
-    return (
-      round_up(tables[name].embedding_dim, ROW_ALIGNMENT) * samples[name] * 4
-    )
+    return round_up(tables[name].embedding_dim) * samples[name] * 4
 
   result = feature_specs
   for group in groups.values():
@@ -441,7 +493,7 @@ def prepare_feature_specs_for_training(
       )
     if table.stacked_table_spec is not None:
       padded = table.setting_in_stack.padded_vocab_size
-      if padded % (ROW_ALIGNMENT * n):
+      if padded % (ALIGNMENT * n):
         raise ValueError(
           f"table {name!r} was stacked for another topology: padded vocab "
           f"{padded} is not a multiple of 8 x {n} shards"
@@ -454,28 +506,22 @@ def prepare_feature_specs_for_training(
         row_offset=sample_count
       )
       sample_count += feature.sample_count
-    padded_vocab = round_up(table.vocabulary_size, ROW_ALIGNMENT * n)
-    padded_dim = round_up(table.embedding_dim, ROW_ALIGNMENT)
-    stacked = StackedTableSpec(
-      stack_name=name,
-      stack_vocab_size=padded_vocab,
-      stack_embedding_dim=padded_dim,
-      optimizer=table.optimizer,
-      combiner=table.combiner,
-      total_sample_count=sample_count,
-      max_ids_per_partition=table.max_ids_per_partition,
-      max_unique_ids_per_partition=table.max_unique_ids_per_partition,
-      suggested_coo_buffer_size_per_device=(
-        table.suggested_coo_buffer_size_per_device
-      ),
-    )
+    padded_vocab = _padded_vocab(table, n)
+    padded_dim = round_up(table.embedding_dim)
     new_tables[name] = table.replace(
       setting_in_stack=TableSettingInStack(
         stack_name=name,
         padded_vocab_size=padded_vocab,
         padded_embedding_dim=padded_dim,
       ),
-      stacked_table_spec=stacked,
+      stacked_table_spec=_stacked_spec(
+        table,
+        name,
+        padded_vocab,
+        padded_dim,
+        sample_count,
+        _table_limits(table),
+      ),
     )
   return _replace_features(feature_specs, new_tables, transformations)
 
@@ -542,11 +588,8 @@ def stack_and_shard_tables(
   Raises:
     ValueError: On a missing table or a shape mismatch.
   """
-  stacks: dict[str, list[TableSpec]] = collections.defaultdict(list)
-  for table in _table_list(table_specs):
-    stacks[table.stacked_table_spec.stack_name].append(table)
   out: dict[str, Any] = {}
-  for stack_name, members in stacks.items():
+  for stack_name, members in get_table_stacks(table_specs).items():
     stacked_spec = members[0].stacked_table_spec
     v_shard = stacked_spec.stack_vocab_size // num_shards
     dim = stacked_spec.stack_embedding_dim

@@ -41,60 +41,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pz_sparsecore import kernels, layout
-from pz_sparsecore.preprocess import (
-  PAD_ID,
-  PreprocessedInput,
-  compute_coo_buffer_size_per_device,
-  compute_row_pointers_size_per_device,
-)
-from pz_sparsecore.specs import OptimizerSpec
+from pz_sparsecore import buffer_format, kernels
+from pz_sparsecore.plan import Plan, StackPlan
+from pz_sparsecore.preprocess import PreprocessedInput
 
 
 class TableGradientError(ValueError):
   """A dense gradient was requested for a SparseCore table."""
-
-
-@dataclasses.dataclass(frozen=True)
-class FeaturePlan:
-  """Where one feature's samples sit in its stack's activations.
-
-  Attributes:
-    name: Feature name.
-    offset: First SparseCore-local sample (`row_offset / N`).
-    samples_per_sc: `n_f`, the feature's samples per SparseCore.
-    dim: The feature's output width.
-    output_shape: The feature's global `output_shape`.
-  """
-
-  name: str
-  offset: int
-  samples_per_sc: int
-  dim: int
-  output_shape: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class StackPlan:
-  """Static shapes of one stack on a topology."""
-
-  name: str
-  rows_per_shard: int
-  dim: int
-  samples_per_sc: int
-  row_pointers_per_sc: int
-  coo_per_sc: int
-  window: int
-  optimizer: OptimizerSpec
-  features: tuple[FeaturePlan, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +70,7 @@ class Topology:
         f"sharding axis {self.axis!r} is not an axis of the mesh "
         f"{tuple(self.mesh.axis_names)}"
       )
-    layout.num_shards(self.num_devices, self.num_sc_per_device)
+    buffer_format.num_shards(self.num_devices, self.num_sc_per_device)
 
   @property
   def num_devices(self) -> int:
@@ -128,64 +87,16 @@ class Topology:
     return NamedSharding(self.mesh, P(self.axis, *([None] * (ndim - 1))))
 
 
-def plan_stacks(
-  feature_specs: Any, topology: Topology
-) -> tuple[StackPlan, ...]:
-  """The static plan of every stack of prepared `feature_specs`."""
-  g, s, n = (
-    topology.num_devices,
-    topology.num_sc_per_device,
-    topology.num_shards,
-  )
-  coo = compute_coo_buffer_size_per_device(feature_specs, g, s)
-  row_pointers = compute_row_pointers_size_per_device(g, s)
-  by_stack: dict[str, list] = {}
-  for feature in jax.tree.leaves(feature_specs):
-    by_stack.setdefault(
-      feature.table_spec.stacked_table_spec.stack_name, []
-    ).append(feature)
-  plans = []
-  for name, stacked in layout.get_stacked_table_specs(feature_specs).items():
-    features = sorted(
-      by_stack[name], key=lambda f: f.id_transformation.row_offset
-    )
-    plans.append(
-      StackPlan(
-        name=name,
-        rows_per_shard=stacked.stack_vocab_size // n,
-        dim=stacked.stack_embedding_dim,
-        samples_per_sc=stacked.total_sample_count // n,
-        row_pointers_per_sc=row_pointers // s,
-        coo_per_sc=coo[name] // s,
-        window=s * layout.round_up(stacked.max_ids_per_partition, 8),
-        optimizer=stacked.optimizer,
-        features=tuple(
-          FeaturePlan(
-            name=f.name,
-            offset=f.id_transformation.row_offset // n,
-            samples_per_sc=f.sample_count // n,
-            dim=f.output_shape[-1],
-            output_shape=tuple(f.output_shape),
-          )
-          for f in features
-        ),
-      )
-    )
-  return tuple(plans)
-
-
 # ---------------------------------------------------------------------------
 # Per-device pieces (run inside shard_map).
 
 
-def _route(plan: StackPlan, topo: Topology, rp, ids, sids, gains):
+def _route(stack: StackPlan, topo: Topology, rp, ids, sids, gains):
   """Sends every owner its windows; returns the received `G*S` windows."""
   g, s = topo.num_devices, topo.num_sc_per_device
-  n, w, c = topo.num_shards, plan.window, plan.coo_per_sc
-  ends = rp.reshape(s, plan.row_pointers_per_sc)[:, :n]
-  aligned = (ends[:, :-1] + 7) // 8 * 8
-  starts = jnp.concatenate([jnp.zeros((s, 1), ends.dtype), aligned], axis=1)
-  window_start = starts[:, ::s]  # [S, G]: start of partition q*S.
+  n, w, c = topo.num_shards, stack.window, stack.coo_per_sc
+  ends = rp.reshape(s, stack.row_pointers_per_sc)[:, :n]
+  window_start = buffer_format.partition_starts(ends, jnp)[:, ::s]  # [S, G]
   pointers = ends.reshape(s, g, s) - window_start[:, :, None]
   index = (
     jnp.arange(s, dtype=jnp.int32)[:, None, None] * (c + w)
@@ -201,74 +112,77 @@ def _route(plan: StackPlan, topo: Topology, rp, ids, sids, gains):
 
   send = (
     pointers.swapaxes(0, 1),
-    windows(ids, PAD_ID),
-    windows(sids, PAD_ID),
-    windows(gains, np.nan),
+    windows(ids, buffer_format.PAD_ID),
+    windows(sids, buffer_format.PAD_ID),
+    windows(gains, buffer_format.PAD_GAIN),
   )
   return tuple(
     jax.lax.all_to_all(x, topo.axis, 0, 0, tiled=True).reshape(-1) for x in send
   )
 
 
-def _kernel_layout(plan: StackPlan, topo: Topology) -> dict[str, int]:
+def _kernel_shape(stack: StackPlan, topo: Topology) -> dict[str, int]:
   g, s = topo.num_devices, topo.num_sc_per_device
   return dict(
     num_segments=s if g == 1 else g * s,
-    samples_per_segment=plan.samples_per_sc,
+    samples_per_segment=stack.samples_per_sc,
     num_partitions=topo.num_shards if g == 1 else s,
-    rows_per_partition=plan.rows_per_shard,
+    rows_per_partition=stack.rows_per_shard,
   )
 
 
-def _buffers(plan, topo, rp, ids, sids, gains):
+def _buffers(stack: StackPlan, topo: Topology, inputs: PreprocessedInput):
+  """The stack's buffers as the local kernel reads them (routed if G > 1)."""
+  buffers = (
+    inputs.lhs_row_pointers[stack.name],
+    inputs.lhs_embedding_ids[stack.name],
+    inputs.lhs_sample_ids[stack.name],
+    inputs.lhs_gains[stack.name],
+  )
   if topo.num_devices == 1:
-    return rp, ids, sids, gains
-  return _route(plan, topo, rp, ids, sids, gains)
+    return buffers
+  return _route(stack, topo, *buffers)
 
 
-def _local_lookup(plan: StackPlan, topo: Topology, table, rp, ids, sids, gains):
-  s, b = topo.num_sc_per_device, plan.samples_per_sc
-  buffers = _buffers(plan, topo, rp, ids, sids, gains)
+def _local_lookup(stack: StackPlan, topo: Topology, table, inputs):
+  s, b = topo.num_sc_per_device, stack.samples_per_sc
   acts = kernels.sparse_dense_matmul(
-    *buffers, table, **_kernel_layout(plan, topo)
+    *_buffers(stack, topo, inputs), table, **_kernel_shape(stack, topo)
   )
   if topo.num_devices > 1:
-    partial = acts.reshape(topo.num_devices, s * b, plan.dim)
+    partial = acts.reshape(topo.num_devices, s * b, stack.dim)
     acts = jax.lax.all_to_all(partial, topo.axis, 0, 0, tiled=True).sum(0)
-  acts = acts.reshape(s, b, plan.dim)
+  acts = acts.reshape(s, b, stack.dim)
   return {
-    f.name: acts[:, f.offset : f.offset + f.samples_per_sc, : f.dim].reshape(
-      -1, f.dim
-    )
-    for f in plan.features
+    f.name: acts[
+      :, f.sample_offset : f.sample_offset + f.samples_per_sc, : f.dim
+    ].reshape(-1, f.dim)
+    for f in stack.features
   }
 
 
 def _local_update(
-  plan: StackPlan, topo: Topology, table, slots, rp, ids, sids, gains, grads, hp
+  stack: StackPlan, topo: Topology, table, slots, inputs, grads, hyper
 ):
   s = topo.num_sc_per_device
   parts = []
-  for f in plan.features:
+  for f in stack.features:
     grad = grads[f.name].reshape(s, f.samples_per_sc, f.dim)
-    parts.append(jnp.pad(grad, ((0, 0), (0, 0), (0, plan.dim - f.dim))))
-  stacked = jnp.concatenate(parts, axis=1).reshape(-1, plan.dim)
+    parts.append(jnp.pad(grad, ((0, 0), (0, 0), (0, stack.dim - f.dim))))
+  stacked = jnp.concatenate(parts, axis=1).reshape(-1, stack.dim)
   if topo.num_devices > 1:
     stacked = jax.lax.all_gather(stacked, topo.axis, axis=0, tiled=True)
-  buffers = _buffers(plan, topo, rp, ids, sids, gains)
   # The [S, V_shard, D] table goes in without a reshape: a reshape around
   # the in-place update makes XLA copy the whole table.
   return kernels.sparse_dense_matmul_grad(
     stacked,
-    *buffers,
+    *_buffers(stack, topo, inputs),
     table,
     tuple(slots),
-    optimizer=plan.optimizer.short_name(),
-    hyperparameters=hp,
-    multiply_linear_by_learning_rate=getattr(
-      plan.optimizer, "multiply_linear_by_learning_rate", False
-    ),
-    **_kernel_layout(plan, topo),
+    optimizer=stack.optimizer.short_name(),
+    hyperparameters=hyper,
+    **stack.optimizer.static_attributes(),
+    **_kernel_shape(stack, topo),
   )
 
 
@@ -284,33 +198,22 @@ def _input_specs(topo: Topology, inputs: PreprocessedInput):
 # instead of running the shard_map body op by op (tens of seconds).
 @functools.partial(jax.jit, static_argnums=0)
 def _lookup_impl(static, tables, inputs):
-  plans, topo = static
+  plan, topo = static
 
   def body(tables, inputs):
     out = {}
-    for plan in plans:
-      out.update(
-        _local_lookup(
-          plan,
-          topo,
-          tables[plan.name],
-          inputs.lhs_row_pointers[plan.name],
-          inputs.lhs_embedding_ids[plan.name],
-          inputs.lhs_sample_ids[plan.name],
-          inputs.lhs_gains[plan.name],
-        )
-      )
+    for stack in plan.stacks:
+      out.update(_local_lookup(stack, topo, tables[stack.name], inputs))
     return out
 
-  names = [f.name for plan in plans for f in plan.features]
   return jax.shard_map(
     body,
     mesh=topo.mesh,
     in_specs=(
-      {plan.name: P(topo.axis) for plan in plans},
+      {stack.name: P(topo.axis) for stack in plan.stacks},
       _input_specs(topo, inputs),
     ),
-    out_specs={name: P(topo.axis) for name in names},
+    out_specs={name: P(topo.axis) for name in plan.features},
     check_vma=False,
   )(tables, inputs)
 
@@ -336,7 +239,7 @@ def _lookup_jvp(static, primals, tangents):
 
 
 def lookup(
-  plans: tuple[StackPlan, ...],
+  plan: Plan,
   topology: Topology,
   tables: dict[str, jax.Array],
   inputs: PreprocessedInput,
@@ -344,7 +247,7 @@ def lookup(
   """Activations of every feature, `[samples_f, dim_f]`, sharded on batch.
 
   Args:
-    plans: `plan_stacks(...)` for the layer's specs and topology.
+    plan: The plan of the layer's specs on the topology.
     topology: Mesh, sharding axis, SparseCores per device.
     tables: Stack name → `[N, V_shard, D]` float32, sharded over the axis.
     inputs: Flat buffers (`has_leading_dimension=False`), `[G * size]`,
@@ -356,11 +259,12 @@ def lookup(
   Raises:
     TableGradientError: If differentiated with respect to the tables.
   """
-  return _lookup((plans, topology), tables, inputs)
+  _check_topology(plan, topology)
+  return _lookup((plan, topology), tables, inputs)
 
 
 def apply_gradients(
-  plans: tuple[StackPlan, ...],
+  plan: Plan,
   topology: Topology,
   tables: dict[str, jax.Array],
   slots: dict[str, tuple[jax.Array, ...]],
@@ -376,7 +280,7 @@ def apply_gradients(
   `jax.jit(..., donate_argnums=...)`) or XLA copies them first.
 
   Args:
-    plans: `plan_stacks(...)`.
+    plan: The plan of the layer's specs on the topology.
     topology: Mesh, sharding axis, SparseCores per device.
     tables: Stack name → `[N, V_shard, D]`.
     slots: Stack name → the optimizer's slots, each shaped like the table.
@@ -388,46 +292,43 @@ def apply_gradients(
   Returns:
     `(new_tables, new_slots)`.
   """
+  _check_topology(plan, topology)
   hyper = {
-    plan.name: jnp.stack(
+    stack.name: jnp.stack(
       [
         jnp.asarray(h, jnp.float32)
-        for h in plan.optimizer.get_hyperparameters(step)
+        for h in stack.optimizer.get_hyperparameters(step)
       ]
     )
-    for plan in plans
+    for stack in plan.stacks
   }
-
   return _apply_impl(
-    (plans, topology), tables, slots, inputs, activation_grads, hyper
+    (plan, topology), tables, slots, inputs, activation_grads, hyper
   )
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _apply_impl(static, tables, slots, inputs, activation_grads, hyper):
-  plans, topology = static
+  plan, topology = static
 
   def body(tables, slots, inputs, grads, hyper):
     new_tables, new_slots = {}, {}
-    for plan in plans:
-      new_tables[plan.name], new_slots[plan.name] = _local_update(
-        plan,
+    for stack in plan.stacks:
+      new_tables[stack.name], new_slots[stack.name] = _local_update(
+        stack,
         topology,
-        tables[plan.name],
-        slots[plan.name],
-        inputs.lhs_row_pointers[plan.name],
-        inputs.lhs_embedding_ids[plan.name],
-        inputs.lhs_sample_ids[plan.name],
-        inputs.lhs_gains[plan.name],
+        tables[stack.name],
+        slots[stack.name],
+        inputs,
         grads,
-        hyper[plan.name],
+        hyper[stack.name],
       )
     return new_tables, new_slots
 
   axis = P(topology.axis)
-  table_specs = {plan.name: axis for plan in plans}
+  table_specs = {stack.name: axis for stack in plan.stacks}
   slot_specs = {
-    plan.name: tuple(axis for _ in slots[plan.name]) for plan in plans
+    stack.name: tuple(axis for _ in slots[stack.name]) for stack in plan.stacks
   }
   return jax.shard_map(
     body,
@@ -437,8 +338,18 @@ def _apply_impl(static, tables, slots, inputs, activation_grads, hyper):
       slot_specs,
       _input_specs(topology, inputs),
       {name: axis for name in activation_grads},
-      {plan.name: P() for plan in plans},
+      {stack.name: P() for stack in plan.stacks},
     ),
     out_specs=(table_specs, slot_specs),
     check_vma=False,
   )(tables, slots, inputs, activation_grads, hyper)
+
+
+def _check_topology(plan: Plan, topology: Topology) -> None:
+  counts = (topology.num_devices, topology.num_sc_per_device)
+  if (plan.num_devices, plan.num_sc_per_device) != counts:
+    raise ValueError(
+      f"the plan is for {plan.num_devices} devices x "
+      f"{plan.num_sc_per_device} SparseCores, the topology has "
+      f"{counts[0]} x {counts[1]}"
+    )

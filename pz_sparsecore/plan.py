@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from pz_sparsecore import buffer_format
+from pz_sparsecore import buffer_format, layout
 from pz_sparsecore.specs import (
   FeatureSpec,
   OptimizerSpec,
@@ -130,6 +130,21 @@ class Plan:
   num_devices: int
   num_sc_per_device: int
   stacks: tuple[StackPlan, ...]
+
+  def __hash__(self) -> int:
+    # jit hashes its static arguments on every call: hash the specs once.
+    return self._hash
+
+  @functools.cached_property
+  def _hash(self) -> int:
+    return hash(
+      (
+        self.feature_specs,
+        self.treedef,
+        self.num_devices,
+        self.num_sc_per_device,
+      )
+    )
 
   @property
   def num_shards(self) -> int:
@@ -252,14 +267,9 @@ def _stack_plan(features: list[FeatureSpec], g: int, s: int) -> StackPlan:
     s,
   )
   features = sorted(features, key=lambda f: f.id_transformation.row_offset)
-  tables = {f.table_spec.name: f.table_spec for f in features}
   return StackPlan(
     spec=stacked,
-    tables=tuple(
-      sorted(
-        tables.values(), key=lambda t: t.setting_in_stack.row_offset_in_shard
-      )
-    ),
+    tables=tuple(layout.get_table_stacks(features)[stacked.stack_name]),
     features=tuple(_feature_plan(f, n) for f in features),
     rows_per_shard=stacked.stack_vocab_size // n,
     samples_per_sc=stacked.total_sample_count // n,

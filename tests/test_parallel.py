@@ -191,7 +191,7 @@ def test_forward_matches_dense_reference(mesh_shape, num_sc):
   )
   # The stacked pair really shares one stack, with rotation.
   assert set(embed.tables) == {"t_sum", "t_mean", "t_sqrtn", "stk", "t_seq"}
-  stack_specs = layout.get_table_specs(embed.config.feature_specs)
+  stack_specs = layout.get_table_specs(embed.config.plan.feature_specs)
   n = g * num_sc
   assert stack_specs["s_a"].setting_in_stack.shard_rotation == 1 % n
   assert stack_specs["s_a"].setting_in_stack.row_offset_in_shard > 0
@@ -204,8 +204,8 @@ def test_forward_matches_dense_reference(mesh_shape, num_sc):
   for name, (table, combiner) in COMBINER.items():
     act = out[name]
     assert isinstance(act, pz.nx.NamedArray)
-    spec = embed.config.feature_specs[
-      [f.name for f in embed.config.feature_specs].index(name)
+    spec = embed.config.plan.feature_specs[
+      [f.name for f in embed.config.plan.feature_specs].index(name)
     ]
     out_dim = spec.output_shape[-1]
     if name == "f_seq":
@@ -251,7 +251,7 @@ def test_lookup_entry_point_on_two_axis_mesh():
   ids, weights = _batch(6)
   inputs, _ = embed.preprocess(ids, weights)
   acts = parallel.lookup(
-    embed.config.plans, embed.config.topology, embed.table_arrays(), inputs
+    embed.config.plan, embed.config.topology, embed.table_arrays(), inputs
   )
   expected = dense_reference(
     ids["f_sum"], weights["f_sum"], tables["t_sum"], "sum", 8
