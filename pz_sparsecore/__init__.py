@@ -3,11 +3,15 @@
 `import pz_sparsecore as pzsc` gives the public surface below. Submodules
 load on first use, so importing the package is cheap and does not start JAX.
 
-Pipeline: specs (`TableSpec`, `FeatureSpec`, optimizer specs) → layout
-(`prepare_feature_specs_for_training`, `stack_tables`, ...) → host
-preprocessing (`preprocess_sparse_dense_matmul_input`) → the Penzai layer
-(`SparseCoreEmbed`) and its training (`SparseCoreTrainer`), with FDO,
-checkpoints and Treescope views around it.
+Pipeline: specs (`TableSpec`, `FeatureSpec`, optimizer specs, whose
+equations live in the optimizer registry) → layout
+(`prepare_feature_specs_for_training`, `stack_tables`, ...) → the plan
+(`build_plan`: every static size of the specs on a topology, in the buffer
+format of `buffer_format`) → host preprocessing
+(`preprocess_sparse_dense_matmul_input`) → kernels and their shard_map
+routing → the Penzai layer (`SparseCoreEmbed`) and its training
+(`SparseCoreTrainer`), with FDO, checkpoints, logical table views and
+Treescope figures around it.
 """
 
 from __future__ import annotations
@@ -38,13 +42,16 @@ _EXPORTS = {
   "physical_row_ids": "layout",
   "get_table_specs": "layout",
   "get_stacked_table_specs": "layout",
+  # plan and buffer format
+  "Plan": "plan",
+  "build_plan": "plan",
+  "PAD_ID": "buffer_format",
   # preprocessing
   "preprocess_sparse_dense_matmul_input": "preprocess",
   "PreprocessedInput": "preprocess",
   "SparseDenseMatmulInputStats": "preprocess",
   "compute_coo_buffer_size_per_device": "preprocess",
   "eval_preprocess_sparse_dense_matmul_input_shape": "preprocess",
-  "PAD_ID": "preprocess",
   # fdo
   "FDOClient": "fdo",
   "NPZFileFDOClient": "fdo",
@@ -61,7 +68,14 @@ _EXPORTS = {
   "NonFiniteUpdateError": "nn.training",
   "save_checkpoint": "nn.checkpoint",
   "restore_checkpoint": "nn.checkpoint",
+  "logical_tables": "nn.tables",
+  "logical_slots": "nn.tables",
+  "set_logical_tables": "nn.tables",
+  "set_logical_slots": "nn.tables",
+  "with_feature_specs": "nn.respec",
 }
+
+_RENAMED = {"build_plan": "build"}
 
 __all__ = sorted(_EXPORTS)
 
@@ -70,7 +84,9 @@ def __getattr__(name: str):
   module = _EXPORTS.get(name)
   if module is None:
     raise AttributeError(f"module 'pz_sparsecore' has no attribute {name!r}")
-  value = getattr(importlib.import_module(f"pz_sparsecore.{module}"), name)
+  value = getattr(
+    importlib.import_module(f"pz_sparsecore.{module}"), _RENAMED.get(name, name)
+  )
   globals()[name] = value
   return value
 

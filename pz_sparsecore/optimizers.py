@@ -142,21 +142,14 @@ def _ftrl(w, slots, g, h, *, multiply_linear_by_learning_rate=False):
 # Hyper-parameters at a step.
 
 
-def _lr_only(spec, lr, step):
-  del spec, step
-  return (lr,)
+def _lr_and(*fields: str):
+  """Hyper-parameters `(lr, *spec fields as float32)`."""
 
+  def hyperparameters(spec, lr, step):
+    del step
+    return (lr, *(_f32(getattr(spec, field)) for field in fields))
 
-def _adagrad_momentum_hyper(spec, lr, step):
-  del step
-  return (
-    lr,
-    _f32(spec.momentum),
-    _f32(spec.beta2),
-    _f32(spec.epsilon),
-    _f32(spec.exponent),
-    _f32(1.0 if spec.use_nesterov else 0.0),
-  )
+  return hyperparameters
 
 
 def _adam_hyper(spec, lr, step):
@@ -167,25 +160,14 @@ def _adam_hyper(spec, lr, step):
   return (lr * c / (1.0 - b1**t), b1, b2, jnp.float32(spec.epsilon) * c)
 
 
-def _ftrl_hyper(spec, lr, step):
-  del step
-  return (
-    lr,
-    _f32(spec.learning_rate_power),
-    _f32(spec.l1_regularization_strength),
-    _f32(spec.l2_regularization_strength),
-    _f32(spec.beta),
-  )
-
-
 _ACCUMULATOR = Slot("accumulator", "initial_accumulator_value")
 
 REGISTRY: dict[str, Optimizer] = {
   opt.name: opt
   for opt in (
-    Optimizer("sgd", (), ("learning_rate",), _lr_only, _sgd),
+    Optimizer("sgd", (), ("learning_rate",), _lr_and(), _sgd),
     Optimizer(
-      "adagrad", (_ACCUMULATOR,), ("learning_rate",), _lr_only, _adagrad
+      "adagrad", (_ACCUMULATOR,), ("learning_rate",), _lr_and(), _adagrad
     ),
     Optimizer(
       "adagrad_momentum",
@@ -198,7 +180,7 @@ REGISTRY: dict[str, Optimizer] = {
         "exponent",
         "use_nesterov",
       ),
-      _adagrad_momentum_hyper,
+      _lr_and("momentum", "beta2", "epsilon", "exponent", "use_nesterov"),
       _adagrad_momentum,
     ),
     Optimizer(
@@ -212,7 +194,12 @@ REGISTRY: dict[str, Optimizer] = {
       "ftrl",
       (_ACCUMULATOR, Slot("linear", "initial_linear_value")),
       ("learning_rate", "learning_rate_power", "l1", "l2", "beta"),
-      _ftrl_hyper,
+      _lr_and(
+        "learning_rate_power",
+        "l1_regularization_strength",
+        "l2_regularization_strength",
+        "beta",
+      ),
       _ftrl,
       static_attributes=("multiply_linear_by_learning_rate",),
     ),
