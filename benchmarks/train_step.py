@@ -148,12 +148,14 @@ def _run_ours(vocab: int, optimizer: str):
     fdo.record(embed.preprocess({"ids": ids})[1])
   fdo.publish()
   tuned = pzsc.update_preprocessing_parameters(
-    embed.config.specs_tree,
+    embed.config.plan.specs_tree,
     pzsc.scale_stats(fdo.load(), 1.25),
     1,
     global_device_count=len(jax.devices()),
   )
-  model = dataclasses.replace(model, embed=embed.with_feature_specs(tuned))
+  model = dataclasses.replace(
+    model, embed=pzsc.with_feature_specs(embed, tuned)
+  )
   trainer = SparseCoreTrainer.build(
     jax.random.key(2), model, optax.adam(1e-3), loss_fn
   )

@@ -12,13 +12,8 @@ The `__treescope_repr__` methods of `SparseCoreEmbed`, `PreprocessedInput`,
 and call `render`. The plain-text summaries (`summary`, `details`) are the
 ones `viz.describe` prints.
 
-Counting valid COO entries. Each SparseCore has `B = max(N, 8)` row pointers;
-entry `p < N` is the unaligned end of partition `p`, which starts at the
-aligned end of partition `p - 1`, so the SparseCore holds
-`sum_p rp[p] - r8(rp[p - 1])` entries. For the global buffers that
-`SparseCoreEmbed.preprocess` returns there are `N` such blocks, so `N` follows
-from the length `N * max(N, 8)`; when it does not (process-local buffers), the
-entries are counted as the ids that are not `PAD_ID`.
+Stack details come from the `plan.Plan` of the layer's specs; the number of
+valid entries of concrete buffers is `buffer_format.count_valid_entries`.
 """
 
 from __future__ import annotations
@@ -31,7 +26,8 @@ import jax
 import numpy as np
 from treescope import formatting_util, renderers, rendering_parts
 
-from pz_sparsecore import layout, preprocess
+from pz_sparsecore import buffer_format
+from pz_sparsecore.plan import Plan, StackPlan
 from pz_sparsecore.specs import (
   FeatureSpec,
   OptimizerSpec,
@@ -53,7 +49,8 @@ def optimizer_summary(optimizer: OptimizerSpec) -> str:
   return f"{optimizer.short_name()}(lr={lr_text})"
 
 
-def _rows_per_shard(table: TableSpec, num_shards: int) -> int:
+def table_rows_per_shard(table: TableSpec, num_shards: int) -> int:
+  """Rows of each shard that a member table of a stack occupies."""
   return table.setting_in_stack.padded_vocab_size // num_shards
 
 
@@ -71,87 +68,46 @@ def _shape_text(x: Any) -> str:
   return f"{dtype}{list(x.shape)}"
 
 
-def _infer_num_shards(num_row_pointers: int) -> int | None:
-  """N with `N * max(N, 8) == num_row_pointers`, or None."""
-  n = 1
-  while n * max(n, layout.ROW_ALIGNMENT) <= num_row_pointers:
-    if n * max(n, layout.ROW_ALIGNMENT) == num_row_pointers:
-      return n
-    n *= 2
-  return None
-
-
-def valid_entries(
-  row_pointers: Any, embedding_ids: Any, num_shards: int | None = None
-) -> int:
-  """Number of valid COO entries of one stack's buffers (concrete arrays).
-
-  Args:
-    row_pointers: The stack's `lhs_row_pointers`, covering all `N` shards.
-    embedding_ids: The stack's `lhs_embedding_ids` (read only as fallback).
-    num_shards: N; inferred from the number of row pointers when None.
-
-  Returns:
-    The entries the row pointers delimit, or the ids that are not `PAD_ID`
-    when the row pointers do not cover `N` SparseCores.
-  """
-  rp = np.asarray(row_pointers).astype(np.int64).reshape(-1)
-  n = num_shards or _infer_num_shards(rp.size)
-  block = max(n or 1, layout.ROW_ALIGNMENT)
-  if n is not None and rp.size == n * block:
-    ends = rp.reshape(n, block)
-    aligned = layout.round_up(ends, layout.ROW_ALIGNMENT)
-    starts = np.concatenate(
-      [np.zeros((n, 1), np.int64), aligned[:, : n - 1]], axis=1
-    )
-    used = ends[:, :n] - starts
-    tail_ok = np.all(ends[:, n:] == aligned[:, n - 1 : n])
-    if np.all(used >= 0) and tail_ok:
-      return int(used.sum())
-  return int(np.count_nonzero(np.asarray(embedding_ids) != preprocess.PAD_ID))
-
-
 # ---------------------------------------------------------------------------
 # Summaries (plain text, shared with `viz.describe`).
 
 
-def embed_summary(embed: Any) -> str:
-  """One line: name, features, stacks (rows/shard x dim), devices x SCs."""
-  config = embed.config
-  topo = config.topology
-  n = topo.num_shards
+def plan_summary(plan: Plan) -> str:
+  """One line: features, stacks (rows/shard x dim), devices x SCs."""
   stacks = ", ".join(
-    f"{name}[{spec.stack_vocab_size // n} rows/shard x "
-    f"{spec.stack_embedding_dim}]"
-    for name, spec in config.stacks.items()
+    f"{stack.name}[{stack.rows_per_shard} rows/shard x {stack.dim}]"
+    for stack in plan.stacks
   )
   return (
-    f"{config.name!r}: {len(config.feature_specs)} features, stacks {stacks}"
-    f"; {topo.num_devices} devices x {topo.num_sc_per_device} SC on "
-    f"{topo.axis!r}"
+    f"{len(plan.feature_specs)} features, stacks {stacks}; "
+    f"{plan.num_devices} devices x {plan.num_sc_per_device} SC"
   )
 
 
-def stack_details(
-  feature_specs: Sequence[FeatureSpec], num_shards: int, stack: str
-) -> list[str]:
+def embed_summary(embed: Any) -> str:
+  """One line: name, then the plan's summary on the sharding axis."""
+  config = embed.config
+  return (
+    f"{config.name!r}: {plan_summary(config.plan)} on {config.topology.axis!r}"
+  )
+
+
+def stack_details(plan: Plan, stack: StackPlan) -> list[str]:
   """Lines describing one stack: its spec, then one line per member table."""
-  spec = layout.get_stacked_table_specs(feature_specs)[stack]
-  members = layout.get_table_stacks(feature_specs)[stack]
+  spec, n = stack.spec, plan.num_shards
   lines = [
-    f"stack {stack!r}: {num_shards} shards x "
-    f"{spec.stack_vocab_size // num_shards} rows x "
-    f"{spec.stack_embedding_dim}, {optimizer_summary(spec.optimizer)}, "
-    f"{spec.combiner}, {spec.total_sample_count} samples, limits "
-    f"ids {spec.max_ids_per_partition} / unique "
+    f"stack {stack.name!r}: {n} shards x {stack.rows_per_shard} rows x "
+    f"{stack.dim}, {optimizer_summary(spec.optimizer)}, {spec.combiner}, "
+    f"{spec.total_sample_count} samples, limits ids "
+    f"{spec.max_ids_per_partition} / unique "
     f"{spec.max_unique_ids_per_partition}"
   ]
-  for table in members:
+  for table in stack.tables:
     setting = table.setting_in_stack
-    rows = _rows_per_shard(table, num_shards)
+    rows = table_rows_per_shard(table, n)
     start = setting.row_offset_in_shard
     features = ", ".join(
-      f.name for f in feature_specs if f.table_spec.name == table.name
+      f.name for f in plan.feature_specs if f.table_spec.name == table.name
     )
     lines.append(
       f"  {table.name}: vocab {table.vocabulary_size} x "
@@ -161,15 +117,14 @@ def stack_details(
   return lines
 
 
+def plan_details(plan: Plan) -> list[str]:
+  """The stacks of a plan, as `stack_details` lines."""
+  return [line for stack in plan.stacks for line in stack_details(plan, stack)]
+
+
 def embed_details(embed: Any) -> list[str]:
   """The stacks of a `SparseCoreEmbed`, as `stack_details` lines."""
-  config = embed.config
-  lines = []
-  for stack in config.stacks:
-    lines += stack_details(
-      config.feature_specs, config.topology.num_shards, stack
-    )
-  return lines
+  return plan_details(embed.config.plan)
 
 
 def spec_summary(spec: Any) -> str:
@@ -216,7 +171,7 @@ def inputs_details(inputs: Any, num_shards: int | None = None) -> list[str]:
       f"{stack}: row pointers {_shape_text(rp)}, COO buffers {_shape_text(ids)}"
     )
     if _is_concrete(rp) and _is_concrete(ids):
-      valid = valid_entries(rp, ids, num_shards)
+      valid = buffer_format.count_valid_entries(rp, ids, num_shards)
       line += f"; {valid} valid entries of {size} ({valid / size:.1%})"
     lines.append(line)
   return lines
@@ -230,7 +185,9 @@ def inputs_summary(inputs: Any) -> str:
   arrays += list(inputs.lhs_embedding_ids.values())
   if stacks and all(_is_concrete(x) for x in arrays):
     valid = sum(
-      valid_entries(inputs.lhs_row_pointers[s], inputs.lhs_embedding_ids[s])
+      buffer_format.count_valid_entries(
+        inputs.lhs_row_pointers[s], inputs.lhs_embedding_ids[s], None
+      )
       for s in stacks
     )
     size = sum(int(np.prod(x.shape)) for x in inputs.lhs_embedding_ids.values())
@@ -254,6 +211,39 @@ def _with_limit(value: int | None, limit: int | None) -> str:
   return f"{value}/{limit}{flag}"
 
 
+def stats_line(
+  stats: Any,
+  stack: str,
+  spec: StackedTableSpec | None = None,
+  buffer_per_sc: int | None = None,
+) -> str:
+  """One stack's largest counts (against the limits when known) and drops.
+
+  Args:
+    stats: A `SparseDenseMatmulInputStats`.
+    stack: The stack's name.
+    spec: The stack's spec, for the limits; None for bare numbers.
+    buffer_per_sc: The stack's COO entries per SparseCore, if known.
+
+  Returns:
+    `"{stack}: max ids ..., max unique ..., required buffer ... per SC,
+    dropped ..."`.
+  """
+  ids = stats.max_ids_per_partition[stack]
+  limit_ids = spec.max_ids_per_partition if spec else None
+  limit_unique = spec.max_unique_ids_per_partition if spec else None
+  unique = stats.max_unique_ids_per_partition.get(stack)
+  required = stats.required_buffer_size_per_sc.get(stack)
+  drops = stats.id_drop_counters.get(stack)
+  drops_text = str(int(np.sum(drops))) if _is_concrete_scalar(drops) else "?"
+  return (
+    f"{stack}: max ids {_with_limit(_max(ids), limit_ids)}, max unique "
+    f"{_with_limit(_max(unique), limit_unique)}, required buffer "
+    f"{_with_limit(_max(required), buffer_per_sc)} per SC, dropped "
+    f"{drops_text}"
+  )
+
+
 def stats_details(
   stats: Any,
   stacks: Mapping[str, StackedTableSpec] | None = None,
@@ -267,24 +257,14 @@ def stats_details(
     buffer_per_sc: Stack name → COO entries per SparseCore.
 
   Returns:
-    One line per stack.
+    One `stats_line` per stack.
   """
-  lines = []
-  for stack, ids in stats.max_ids_per_partition.items():
-    spec = (stacks or {}).get(stack)
-    limit_ids = spec.max_ids_per_partition if spec else None
-    limit_unique = spec.max_unique_ids_per_partition if spec else None
-    unique = stats.max_unique_ids_per_partition.get(stack)
-    required = stats.required_buffer_size_per_sc.get(stack)
-    drops = stats.id_drop_counters.get(stack)
-    drops_text = str(int(np.sum(drops))) if _is_concrete_scalar(drops) else "?"
-    lines.append(
-      f"{stack}: max ids {_with_limit(_max(ids), limit_ids)}, max unique "
-      f"{_with_limit(_max(unique), limit_unique)}, required buffer "
-      f"{_with_limit(_max(required), (buffer_per_sc or {}).get(stack))} "
-      f"per SC, dropped {drops_text}"
+  return [
+    stats_line(
+      stats, stack, (stacks or {}).get(stack), (buffer_per_sc or {}).get(stack)
     )
-  return lines
+    for stack in stats.max_ids_per_partition
+  ]
 
 
 def _is_concrete_scalar(x: Any) -> bool:
@@ -420,10 +400,24 @@ def render_embed(
     embed,
     embed_summary(embed),
     embed_details(embed),
-    _fields(embed, skip_none=("activation_probes", "tap")),
+    _fields(embed, skip_none=("activation_probe",)),
     path,
     subtree_renderer,
     color=color,
+  )
+
+
+def render_plan(
+  plan: Plan, path: str | None, subtree_renderer: Renderer
+) -> rendering_parts.RenderableAndLineAnnotations:
+  """Renders a `plan.Plan` with its per-stack details (for its repr)."""
+  return summarized_node(
+    plan,
+    plan_summary(plan),
+    plan_details(plan),
+    _fields(plan),
+    path,
+    subtree_renderer,
   )
 
 

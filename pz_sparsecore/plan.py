@@ -175,6 +175,11 @@ class Plan:
     plans = {f.name: f for stack in self.stacks for f in stack.features}
     return {spec.name: plans[spec.name] for spec in self.feature_specs}
 
+  def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
+    from pz_sparsecore import _treescope
+
+    return _treescope.render_plan(self, path, subtree_renderer)
+
   def stack(self, name: str) -> StackPlan:
     """The plan of stack `name`.
 

@@ -31,6 +31,12 @@ in a notebook (`_repr_html_`) and turned into a standalone HTML fragment by
 
 `describe` prints the same summaries as plain text.
 
+Every figure reads a `plan.Plan`: pass a `SparseCoreEmbed` (its
+`config.plan`), a `Plan`, or a pytree of feature specs together with
+`global_device_count` and `num_sc_per_device` (prepared and planned for
+that topology). The stacks, their member tables in row order, the rows per
+shard and the COO entries per SparseCore all come from the plan.
+
 Example::
 
   embed = SparseCoreEmbed.from_config("emb", key, specs, mesh)
@@ -43,13 +49,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 import treescope
 from penzai import pz
 from treescope import figures, rendering_parts
 
 from pz_sparsecore import _treescope, layout, preprocess
+from pz_sparsecore import plan as plan_lib
+from pz_sparsecore.plan import StackPlan
 from pz_sparsecore.specs import FeatureSpec, StackedTableSpec, TableSpec
 
 Figure = Any  # treescope's `TreescopeFigure` (not exported publicly).
@@ -81,38 +88,49 @@ _OVER_LIMIT_COLORS = ((244, 109, 67), (165, 0, 38))
 # Inputs.
 
 
-def _resolve(
+def _embed_class() -> type:
+  """`SparseCoreEmbed`, imported on use (the layer loads the kernels)."""
+  from pz_sparsecore.nn.embed import SparseCoreEmbed
+
+  return SparseCoreEmbed
+
+
+def _known_plan(obj: Any) -> plan_lib.Plan | None:
+  """The plan of a `SparseCoreEmbed` or a `Plan`; None for anything else."""
+  if isinstance(obj, _embed_class()):
+    return obj.config.plan
+  if isinstance(obj, plan_lib.Plan):
+    return obj
+  return None
+
+
+def _plan_of(
   embed_or_specs: Any,
-  global_device_count: int | None,
-  num_sc_per_device: int | None,
-) -> tuple[tuple[FeatureSpec, ...], int, int]:
-  """(prepared feature specs, G, S) from a layer or from specs + topology."""
-  config = getattr(embed_or_specs, "config", None)
-  if config is not None and hasattr(config, "topology"):
-    topo = config.topology
-    return config.feature_specs, topo.num_devices, topo.num_sc_per_device
+  global_device_count: int | None = None,
+  num_sc_per_device: int | None = None,
+) -> plan_lib.Plan:
+  """The plan a figure draws: a layer's, a plan, or specs planned on G x S.
+
+  Raises:
+    ValueError: For feature specs without both topology counts.
+  """
+  plan = _known_plan(embed_or_specs)
+  if plan is not None:
+    return plan
   if global_device_count is None or num_sc_per_device is None:
     raise ValueError(
-      "pass a SparseCoreEmbed, or feature specs together with "
+      "pass a SparseCoreEmbed, a Plan, or feature specs together with "
       "global_device_count and num_sc_per_device"
     )
   prepared = layout.prepare_feature_specs_for_training(
     embed_or_specs, global_device_count, num_sc_per_device
   )
-  return (
-    tuple(jax.tree.leaves(prepared)),
-    global_device_count,
-    num_sc_per_device,
-  )
+  return plan_lib.build(prepared, global_device_count, num_sc_per_device)
 
 
-def _stack_names(specs: Sequence[FeatureSpec], stack: str | None) -> list[str]:
-  names = list(layout.get_stacked_table_specs(specs))
-  if stack is None:
-    return names
-  if stack not in names:
-    raise ValueError(f"unknown stack {stack!r}; the stacks are {names}")
-  return [stack]
+def _stacks(plan: plan_lib.Plan, stack: str | None) -> list[StackPlan]:
+  """Every stack of `plan`, or only `stack` (ValueError if unknown)."""
+  return list(plan.stacks) if stack is None else [plan.stack(stack)]
 
 
 def _color_css(rgb: tuple[int, int, int]) -> str:
@@ -136,36 +154,51 @@ def _heading(text: str) -> Figure:
 # Shard map.
 
 
+def _owner_index(stack: StackPlan, num_shards: int) -> np.ndarray:
+  """`[N, V_shard]`: member table (row order) of each row, -1 for padding."""
+  owner = np.full(num_shards * stack.rows_per_shard, -1, np.int32)
+  for k, table in enumerate(stack.tables):
+    ids = np.arange(table.vocabulary_size)
+    owner[layout.physical_row_ids(table, ids, num_shards)] = k
+  return owner.reshape(num_shards, -1)
+
+
 def shard_table_index(
   feature_specs: Any, num_shards: int, stack: str
 ) -> np.ndarray:
   """Which member table owns each physical row of a stack.
 
   Args:
-    feature_specs: Prepared feature specs.
+    feature_specs: Prepared feature specs, or their `Plan`.
     num_shards: N = devices x SparseCores.
     stack: The stack's name.
 
   Returns:
     int32 `[N, V_shard]`: the index of the owning table in row order
-    (`layout.get_table_stacks`), or -1 for a padding row.
+    (`StackPlan.tables`), or -1 for a padding row.
+
+  Raises:
+    ValueError: On an unknown stack, or a plan with another number of shards.
   """
-  spec = layout.get_stacked_table_specs(feature_specs)[stack]
-  members = layout.get_table_stacks(feature_specs)[stack]
-  owner = np.full(spec.stack_vocab_size, -1, np.int32)
-  for k, table in enumerate(members):
-    ids = np.arange(table.vocabulary_size)
-    owner[layout.physical_row_ids(table, ids, num_shards)] = k
-  return owner.reshape(num_shards, -1)
+  if isinstance(feature_specs, plan_lib.Plan):
+    plan = feature_specs
+    if plan.num_shards != num_shards:
+      raise ValueError(
+        f"the plan has {plan.num_shards} shards, not num_shards={num_shards}"
+      )
+  else:
+    # A stack's rows depend on N alone. 1 device x N SparseCores fits every
+    # preparation for N shards: its COO maximum `r8(max_ids) * N * N` is the
+    # largest of all G x S = N, so no suggested buffer size exceeds it.
+    plan = plan_lib.build(feature_specs, 1, num_shards)
+  return _owner_index(plan.stack(stack), num_shards)
 
 
-def _table_legend(
-  members: Sequence[TableSpec], num_shards: int
-) -> list[Figure]:
+def _table_legend(stack: StackPlan, num_shards: int) -> list[Figure]:
   items = []
-  for k, table in enumerate(members):
+  for k, table in enumerate(stack.tables):
     setting = table.setting_in_stack
-    rows = setting.padded_vocab_size // num_shards
+    rows = _treescope.table_rows_per_shard(table, num_shards)
     start = setting.row_offset_in_shard
     color = TABLE_COLORS[k % len(TABLE_COLORS)]
     items.append(
@@ -185,6 +218,51 @@ def _table_legend(
   return items
 
 
+def _binned(
+  values: np.ndarray, fill: int, max_columns: int
+) -> tuple[np.ndarray, int]:
+  """`[N, V_shard]` values in bins of `step` rows (the max of each bin)."""
+  n, v_shard = values.shape
+  step = -(-v_shard // max_columns)
+  if step > 1:
+    cols = -(-v_shard // step)
+    binned = np.full((n, cols * step), fill, values.dtype)
+    binned[:, :v_shard] = values
+    values = binned.reshape(n, cols, step).max(axis=2)
+  return values, step
+
+
+def _shard_map_image(
+  plan: plan_lib.Plan,
+  stack: StackPlan,
+  max_columns: int,
+  pixels_per_cell: int,
+) -> Figure:
+  """The `[device, SparseCore] x row` image of one stack's owner tables."""
+  g, s = plan.num_devices, plan.num_sc_per_device
+  owner = _owner_index(stack, plan.num_shards)
+  padding = len(stack.tables)
+  values, step = _binned(
+    np.where(owner < 0, padding, owner), padding, max_columns
+  )
+  row_label = "row in shard" + (f" (bins of {step})" if step > 1 else "")
+  colormap = [TABLE_COLORS[k % len(TABLE_COLORS)] for k in range(padding)]
+  colormap.append(PADDING_COLOR)
+  return treescope.render_array(
+    values.reshape(g, s, -1),
+    rows=[1, 0],
+    columns=[2],
+    continuous=False,
+    colormap=colormap,
+    value_item_labels={
+      **{k: t.name for k, t in enumerate(stack.tables)},
+      padding: "padding",
+    },
+    axis_labels={0: f"device ({g})", 1: f"SparseCore ({s})", 2: row_label},
+    pixels_per_cell=pixels_per_cell,
+  )
+
+
 def shard_map_figure(
   embed_or_specs: Any,
   *,
@@ -197,9 +275,9 @@ def shard_map_figure(
   """Which rows of which logical table live on which device / SparseCore.
 
   Args:
-    embed_or_specs: A `SparseCoreEmbed`, or a pytree of feature specs (then
-      `global_device_count` and `num_sc_per_device` are required; unstacked
-      tables are prepared as one-table stacks).
+    embed_or_specs: A `SparseCoreEmbed`, a `Plan`, or a pytree of feature
+      specs (then `global_device_count` and `num_sc_per_device` are required;
+      unstacked tables are prepared as one-table stacks).
     global_device_count: Devices the tables are sharded over.
     num_sc_per_device: SparseCores per device.
     stack: Only this stack; all by default.
@@ -214,46 +292,17 @@ def shard_map_figure(
   Raises:
     ValueError: On an unknown stack or missing topology.
   """
-  specs, g, s = _resolve(embed_or_specs, global_device_count, num_sc_per_device)
-  n = layout.num_shards(g, s)
-  stacks = layout.get_stacked_table_specs(specs)
+  plan = _plan_of(embed_or_specs, global_device_count, num_sc_per_device)
+  g, s, n = plan.num_devices, plan.num_sc_per_device, plan.num_shards
   parts: list[Any] = []
-  for name in _stack_names(specs, stack):
-    members = layout.get_table_stacks(specs)[name]
-    owner = shard_table_index(specs, n, name)
-    padding = len(members)
-    values = np.where(owner < 0, padding, owner)
-    v_shard = values.shape[1]
-    step = -(-v_shard // max_columns)
-    if step > 1:
-      cols = -(-v_shard // step)
-      binned = np.full((n, cols * step), padding, values.dtype)
-      binned[:, :v_shard] = values
-      values = binned.reshape(n, cols, step).max(axis=2)
-    row_label = "row in shard" + (f" (bins of {step})" if step > 1 else "")
-    colormap = [TABLE_COLORS[k % len(TABLE_COLORS)] for k in range(padding)]
-    colormap.append(PADDING_COLOR)
-    image = treescope.render_array(
-      values.reshape(g, s, -1),
-      rows=[1, 0],
-      columns=[2],
-      continuous=False,
-      colormap=colormap,
-      value_item_labels={
-        **{k: t.name for k, t in enumerate(members)},
-        padding: "padding",
-      },
-      axis_labels={0: f"device ({g})", 1: f"SparseCore ({s})", 2: row_label},
-      pixels_per_cell=pixels_per_cell,
-    )
-    spec = stacks[name]
+  for stack_plan in _stacks(plan, stack):
     parts += [
       _heading(
-        f"stack {name!r}: {n} shards ({g} devices x {s} SC), "
-        f"{v_shard} rows/shard x {spec.stack_embedding_dim}"
+        f"stack {stack_plan.name!r}: {n} shards ({g} devices x {s} SC), "
+        f"{stack_plan.rows_per_shard} rows/shard x {stack_plan.dim}"
       ),
-      image,
-      *_table_legend(members, n),
+      _shard_map_image(plan, stack_plan, max_columns, pixels_per_cell),
+      *_table_legend(stack_plan, n),
     ]
   return _lines(*parts)
 
@@ -269,7 +318,8 @@ def row_placement(
   """Where logical rows of a table live (MOD sharding plus rotation).
 
   Args:
-    embed_or_specs: A `SparseCoreEmbed`, or feature specs plus topology.
+    embed_or_specs: A `SparseCoreEmbed`, a `Plan`, or feature specs plus
+      topology.
     table: The logical table's name.
     ids: Logical rows; all rows by default.
     global_device_count: Devices (with feature specs).
@@ -283,16 +333,17 @@ def row_placement(
   Raises:
     ValueError: On an unknown table or an id outside the vocabulary.
   """
-  specs, g, s = _resolve(embed_or_specs, global_device_count, num_sc_per_device)
-  n = layout.num_shards(g, s)
-  tables = layout.get_table_specs(specs)
-  if table not in tables:
-    raise ValueError(f"unknown table {table!r}; the tables are {list(tables)}")
-  spec = tables[table]
+  plan = _plan_of(embed_or_specs, global_device_count, num_sc_per_device)
+  if table not in plan.tables:
+    raise ValueError(
+      f"unknown table {table!r}; the tables are {list(plan.tables)}"
+    )
+  spec = plan.tables[table]
   ids = np.arange(spec.vocabulary_size) if ids is None else np.asarray(ids)
-  physical = layout.physical_row_ids(spec, ids, n)
-  v_shard = spec.stacked_table_spec.stack_vocab_size // n
+  physical = layout.physical_row_ids(spec, ids, plan.num_shards)
+  v_shard = plan.stack_of_table[table].rows_per_shard
   shard = physical // v_shard
+  s = plan.num_sc_per_device
   return {
     "id": ids,
     "shard": shard,
@@ -315,7 +366,8 @@ def row_owner_figure(
   """The owner shard of a table's first logical rows.
 
   Args:
-    embed_or_specs: A `SparseCoreEmbed`, or feature specs plus topology.
+    embed_or_specs: A `SparseCoreEmbed`, a `Plan`, or feature specs plus
+      topology.
     table: The logical table's name.
     num_rows: Rows shown in the image (the first ones).
     num_listed: Rows listed in the text table below the image.
@@ -325,13 +377,16 @@ def row_owner_figure(
   Returns:
     A figure: a heading, an image `[rows]` of owner shards (hover for the
     device, SparseCore and row) and a table of the first rows.
+
+  Raises:
+    ValueError: On an unknown table or missing topology.
   """
-  specs, g, s = _resolve(embed_or_specs, global_device_count, num_sc_per_device)
-  spec = layout.get_table_specs(specs).get(table)
+  plan = _plan_of(embed_or_specs, global_device_count, num_sc_per_device)
+  spec = plan.tables.get(table)
   if spec is None:
     raise ValueError(f"unknown table {table!r}")
   count = min(num_rows, spec.vocabulary_size)
-  place = row_placement(specs, table, np.arange(count), **_topo(g, s))
+  place = row_placement(plan, table, np.arange(count))
   labels = [
     f"id {i}: shard {sh} (device {d}, SC {c}), row {r}"
     for i, sh, d, c, r in zip(
@@ -357,7 +412,7 @@ def row_owner_figure(
     ]
   ]
   setting = spec.setting_in_stack
-  n = g * s
+  n = plan.num_shards
   return _lines(
     _heading(
       f"table {table!r} in stack {setting.stack_name!r}: row i on shard "
@@ -368,10 +423,6 @@ def row_owner_figure(
     header,
     *rows,
   )
-
-
-def _topo(g: int, s: int) -> dict[str, int]:
-  return {"global_device_count": g, "num_sc_per_device": s}
 
 
 # ---------------------------------------------------------------------------
@@ -395,19 +446,8 @@ def _limit_colormap(steps: int = 10) -> list[tuple[int, ...]]:
   return stops
 
 
-def _stats_topology(
-  stats: Any,
-  stack: str,
-  embed_or_specs: Any,
-  global_device_count: int | None,
-  num_sc_per_device: int | None,
-) -> tuple[int, int]:
-  """(G, S), inferring a single-process topology from the stats if needed."""
-  config = getattr(embed_or_specs, "config", None)
-  if config is not None and hasattr(config, "topology"):
-    return config.topology.num_devices, config.topology.num_sc_per_device
-  if global_device_count is not None and num_sc_per_device is not None:
-    return global_device_count, num_sc_per_device
+def _topology_from_stats(stats: Any, stack: str) -> tuple[int, int]:
+  """(G, S) of a single process, from the sizes of one stack's stats."""
   ids = np.asarray(stats.max_ids_per_partition[stack]).size
   per_sc = np.asarray(stats.required_buffer_size_per_sc[stack]).size
   g = ids // per_sc  # L * N / (L * S) = G.
@@ -427,6 +467,68 @@ def over_limit_partitions(
   return lines
 
 
+def _limit_heatmap(
+  counts: np.ndarray,
+  limit: int,
+  plan: plan_lib.Plan,
+  pixels_per_cell: int,
+) -> Figure:
+  """`[local device x partition]` counts / limit on the fixed limit scale."""
+  s, n = plan.num_sc_per_device, plan.num_shards
+  return treescope.render_array(
+    counts / limit,
+    rows=[0],
+    columns=[1],
+    continuous=True,
+    around_zero=False,
+    vmin=0.0,
+    vmax=_LIMIT_RATIO_MAX,
+    trim_outliers=False,
+    colormap=_limit_colormap(),
+    axis_labels={
+      0: f"local device ({counts.shape[0]})",
+      1: f"partition ({n})",
+    },
+    axis_item_labels={1: [f"device {p // s}, SC {p % s}" for p in range(n)]},
+    pixels_per_cell=pixels_per_cell,
+  )
+
+
+def _stack_stats_parts(
+  stats: Any,
+  stack: StackPlan,
+  plan: plan_lib.Plan,
+  pixels_per_cell: int,
+) -> list[Any]:
+  """One stack's summary line, heat maps and over-limit list."""
+  spec, name = stack.spec, stack.name
+  parts: list[Any] = [
+    _heading(_treescope.stats_line(stats, name, spec, stack.coo_per_sc))
+  ]
+  over = []
+  for title, counts, limit in (
+    ("ids", stats.max_ids_per_partition[name], spec.max_ids_per_partition),
+    (
+      "unique ids",
+      stats.max_unique_ids_per_partition[name],
+      spec.max_unique_ids_per_partition,
+    ),
+  ):
+    counts = np.asarray(counts).reshape(-1, plan.num_shards)
+    parts.append(f"{title} per partition / limit {limit}:")
+    parts.append(_limit_heatmap(counts, limit, plan, pixels_per_cell))
+    over += [
+      f"{title}: {line}"
+      for line in over_limit_partitions(counts, limit, plan.num_sc_per_device)
+    ]
+  if over:
+    parts.append(figures.with_color(f"OVER LIMIT ({len(over)}):", "red"))
+    parts += over
+  else:
+    parts.append("all partitions within the limits")
+  return parts
+
+
 def stats_heatmap(
   stats: Any,
   embed_or_specs: Any,
@@ -440,7 +542,7 @@ def stats_heatmap(
 
   Args:
     stats: A `SparseDenseMatmulInputStats` (host arrays).
-    embed_or_specs: A `SparseCoreEmbed` or prepared feature specs.
+    embed_or_specs: A `SparseCoreEmbed`, a `Plan` or prepared feature specs.
     global_device_count: Devices (with feature specs; inferred from the
       stats for a single process when omitted).
     num_sc_per_device: SparseCores per device (likewise).
@@ -451,79 +553,80 @@ def stats_heatmap(
     A figure: per stack a summary line, two heat maps `[local device x
     partition]` of count / limit (ids, unique ids) on a fixed scale where
     red means over the limit, and the list of over-limit partitions.
+
+  Raises:
+    ValueError: If a stack of the stats is not in the specs.
   """
-  specs = getattr(
-    getattr(embed_or_specs, "config", None), "feature_specs", None
-  )
-  specs = embed_or_specs if specs is None else specs
-  stacks = layout.get_stacked_table_specs(specs)
   names = list(stats.max_ids_per_partition) if stack is None else [stack]
-  colormap = _limit_colormap()
+  if not names:
+    return _lines()
+  plan = _known_plan(embed_or_specs)
+  if plan is None:
+    if global_device_count is None or num_sc_per_device is None:
+      global_device_count, num_sc_per_device = _topology_from_stats(
+        stats, names[0]
+      )
+    plan = _plan_of(embed_or_specs, global_device_count, num_sc_per_device)
   parts: list[Any] = []
   for name in names:
-    if name not in stacks:
+    if name not in plan.stack_by_name:
       raise ValueError(f"stats stack {name!r} is not in the feature specs")
-    spec = stacks[name]
-    g, s = _stats_topology(
-      stats, name, embed_or_specs, global_device_count, num_sc_per_device
+    parts += _stack_stats_parts(
+      stats, plan.stack_by_name[name], plan, pixels_per_cell
     )
-    n = layout.num_shards(g, s)
-    buffer = preprocess.compute_coo_buffer_size_per_device(specs, g, s)[name]
-    details = _treescope.stats_details(stats, stacks, {name: buffer // s})
-    parts.append(
-      _heading(
-        dict(zip(stats.max_ids_per_partition, details, strict=True))[name]
-      )
-    )
-    over = []
-    for title, counts, limit in (
-      (
-        "ids",
-        stats.max_ids_per_partition[name],
-        spec.max_ids_per_partition,
-      ),
-      (
-        "unique ids",
-        stats.max_unique_ids_per_partition[name],
-        spec.max_unique_ids_per_partition,
-      ),
-    ):
-      counts = np.asarray(counts).reshape(-1, n)
-      parts.append(f"{title} per partition / limit {limit}:")
-      parts.append(
-        treescope.render_array(
-          counts / limit,
-          rows=[0],
-          columns=[1],
-          continuous=True,
-          around_zero=False,
-          vmin=0.0,
-          vmax=_LIMIT_RATIO_MAX,
-          trim_outliers=False,
-          colormap=colormap,
-          axis_labels={
-            0: f"local device ({counts.shape[0]})",
-            1: f"partition ({n})",
-          },
-          axis_item_labels={
-            1: [f"device {p // s}, SC {p % s}" for p in range(n)]
-          },
-          pixels_per_cell=pixels_per_cell,
-        )
-      )
-      over += [
-        f"{title}: {line}" for line in over_limit_partitions(counts, limit, s)
-      ]
-    if over:
-      parts.append(figures.with_color(f"OVER LIMIT ({len(over)}):", "red"))
-      parts += over
-    else:
-      parts.append("all partitions within the limits")
   return _lines(*parts)
 
 
 # ---------------------------------------------------------------------------
 # Table values.
+
+
+def _row_labels(stack: StackPlan, owner: np.ndarray) -> list[str]:
+  """Per row of a shard: its table and its row inside the table's block."""
+  labels = []
+  for r in range(owner.shape[1]):
+    k = owner[:, r].max()
+    table = stack.tables[k] if k >= 0 else None
+    start = table.setting_in_stack.row_offset_in_shard if table else 0
+    label = table.name if table else "padding"
+    labels.append(f"{label} (row {r - start} of its block)")
+  return labels
+
+
+def _table_values_parts(
+  embed: Any, stack: StackPlan, truncate: bool
+) -> list[Any]:
+  """One stack's heading, values, device sharding and legend."""
+  from pz_sparsecore.nn.tables import ROW_AXIS, SHARD_AXIS
+
+  config = embed.config
+  n = config.plan.num_shards
+  var = embed.tables[stack.name]
+  if isinstance(var, pz.ParameterSlot):
+    raise ValueError(
+      f"stack {stack.name!r}: the table is an unbound {type(var).__name__}; "
+      "build the layer with an init_base_rng or restore a checkpoint first"
+    )
+  value = var.value
+  owner = _owner_index(stack, n)
+  return [
+    _heading(
+      f"stack {stack.name!r}: {config.table_label(stack.name)} "
+      f"[{n} shards x {stack.rows_per_shard} rows x {stack.dim}]"
+    ),
+    treescope.render_array(
+      value,
+      rows=[ROW_AXIS],
+      columns=[config.embedding_axis, SHARD_AXIS],
+      truncate=truncate,
+      axis_item_labels={ROW_AXIS: _row_labels(stack, owner)},
+    ),
+    "device sharding:",
+    treescope.render_array_sharding(
+      value, rows=[SHARD_AXIS], columns=[config.embedding_axis, ROW_AXIS]
+    ),
+    *_table_legend(stack, n),
+  ]
 
 
 def table_values_figure(
@@ -542,48 +645,12 @@ def table_values_figure(
     picture of the array's device sharding.
 
   Raises:
-    ValueError: If the tables are unbound `ParameterSlot`s.
+    ValueError: On an unknown stack, or if the tables are unbound
+      `ParameterSlot`s.
   """
-  from pz_sparsecore.nn.embed import ROW_AXIS, SHARD_AXIS
-
-  config = embed.config
-  n = config.topology.num_shards
   parts: list[Any] = []
-  for name in _stack_names(config.feature_specs, stack):
-    var = embed.tables[name]
-    if isinstance(var, pz.ParameterSlot):
-      raise ValueError(
-        f"stack {name!r}: the table is an unbound {type(var).__name__}; "
-        "build the layer with an init_base_rng or restore a checkpoint first"
-      )
-    value = var.value
-    owner = shard_table_index(config.feature_specs, n, name)
-    members = layout.get_table_stacks(config.feature_specs)[name]
-    row_labels = []
-    for r in range(owner.shape[1]):
-      k = owner[:, r].max()
-      start = members[k].setting_in_stack.row_offset_in_shard if k >= 0 else 0
-      label = members[k].name if k >= 0 else "padding"
-      row_labels.append(f"{label} (row {r - start} of its block)")
-    parts += [
-      _heading(
-        f"stack {name!r}: {config.table_label(name)} "
-        f"[{n} shards x {owner.shape[1]} rows x "
-        f"{config.stacks[name].stack_embedding_dim}]"
-      ),
-      treescope.render_array(
-        value,
-        rows=[ROW_AXIS],
-        columns=[config.embedding_axis, SHARD_AXIS],
-        truncate=truncate,
-        axis_item_labels={ROW_AXIS: row_labels},
-      ),
-      "device sharding:",
-      treescope.render_array_sharding(
-        value, rows=[SHARD_AXIS], columns=[config.embedding_axis, ROW_AXIS]
-      ),
-      *_table_legend(members, n),
-    ]
+  for stack_plan in _stacks(embed.config.plan, stack):
+    parts += _table_values_parts(embed, stack_plan, truncate)
   return _lines(*parts)
 
 
@@ -591,16 +658,35 @@ def table_values_figure(
 # Text and HTML.
 
 
+def _stats_context(
+  context: Any,
+) -> tuple[dict[str, StackedTableSpec] | None, dict[str, int] | None]:
+  """(limits, COO entries per SparseCore) by stack, as far as `context` tells.
+
+  A layer or a plan gives both; prepared feature specs give the limits only
+  (they do not say the topology).
+  """
+  plan = _known_plan(context)
+  if plan is not None:
+    return (
+      {stack.name: stack.spec for stack in plan.stacks},
+      {stack.name: stack.coo_per_sc for stack in plan.stacks},
+    )
+  if context is None:
+    return None, None
+  return layout.get_stacked_table_specs(context), None
+
+
 def describe(obj: Any, context: Any = None) -> str:
   """A plain-text summary (the Treescope summary plus its detail lines).
 
   Args:
-    obj: A `SparseCoreEmbed`, `PreprocessedInput`,
+    obj: A `SparseCoreEmbed`, `Plan`, `PreprocessedInput`,
       `SparseDenseMatmulInputStats`, `TableSpec`, `FeatureSpec` or
       `StackedTableSpec`.
-    context: For stats, the `SparseCoreEmbed` (or prepared feature specs) to
-      compare against its limits and buffer sizes; for inputs, the layer (for
-      its number of shards).
+    context: For stats, the `SparseCoreEmbed` or `Plan` (or prepared feature
+      specs, for the limits only) to compare against its limits and buffer
+      sizes; for inputs, the layer or plan (for its number of shards).
 
   Returns:
     Lines of text, the first `Type(summary)`, the others indented by two.
@@ -609,28 +695,23 @@ def describe(obj: Any, context: Any = None) -> str:
     TypeError: For other objects.
   """
   kind = type(obj).__name__
-  config = getattr(context, "config", None)
   if isinstance(obj, (TableSpec, FeatureSpec, StackedTableSpec)):
     return f"{kind}({_treescope.spec_summary(obj)})"
   if isinstance(obj, preprocess.PreprocessedInput):
-    n = config.topology.num_shards if config is not None else None
+    plan = _known_plan(context)
     summary = _treescope.inputs_summary(obj)
-    details = _treescope.inputs_details(obj, n)
+    details = _treescope.inputs_details(
+      obj, None if plan is None else plan.num_shards
+    )
   elif isinstance(obj, preprocess.SparseDenseMatmulInputStats):
     summary = _treescope.stats_summary(obj)
-    stacks = buffers = None
-    if context is not None:
-      specs = context if config is None else config.feature_specs
-      stacks = layout.get_stacked_table_specs(specs)
-      if config is not None:
-        topo = config.topology
-        g, s = topo.num_devices, topo.num_sc_per_device
-        sizes = preprocess.compute_coo_buffer_size_per_device(specs, g, s)
-        buffers = {k: v // s for k, v in sizes.items()}
-    details = _treescope.stats_details(obj, stacks, buffers)
-  elif hasattr(obj, "config") and hasattr(obj, "tables"):
+    details = _treescope.stats_details(obj, *_stats_context(context))
+  elif isinstance(obj, _embed_class()):
     summary = _treescope.embed_summary(obj)
     details = _treescope.embed_details(obj)
+  elif isinstance(obj, plan_lib.Plan):
+    summary = _treescope.plan_summary(obj)
+    details = _treescope.plan_details(obj)
   else:
     raise TypeError(f"describe: unsupported object {kind}")
   return "\n".join([f"{kind}({summary})", *(f"  {d}" for d in details)])

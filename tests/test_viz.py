@@ -156,7 +156,7 @@ def test_embed_html_has_summary_and_array_views(embed):
 
 
 def test_spec_summaries(embed):
-  fa, fb = embed.config.feature_specs
+  fa, fb = embed.config.plan.feature_specs
   assert _text(fa.table_spec, 0) == (
     "TableSpec('ta': 40 x 4, adagrad(lr=0.1), sum; in 'tb_ta' at row 24, "
     "rotation 1)"
@@ -236,7 +236,7 @@ def test_stats_summary_and_heatmap_mark_over_limit(embed):
   assert "OVER LIMIT" in html and "arrayviz" in html
   # From feature specs alone (topology inferred from the stats).
   specs_text = _figure_text(
-    viz.stats_heatmap(stats, embed.config.feature_specs)
+    viz.stats_heatmap(stats, embed.config.plan.feature_specs)
   )
   assert specs_text == text
 
@@ -342,3 +342,21 @@ def test_to_html_compression(embed):
   figure = viz.shard_map_figure(embed)
   assert "rows/shard" in viz.to_html(figure)
   assert "rows/shard" not in viz.to_html(figure, compressed=True)
+
+
+def test_figures_accept_a_plan(embed):
+  plan = embed.config.plan
+  assert _figure_text(viz.shard_map_figure(plan)) == _figure_text(
+    viz.shard_map_figure(embed)
+  )
+  assert viz.describe(plan).splitlines() == [
+    "Plan(2 features, stacks tb_ta[40 rows/shard x 8]; 4 devices x 1 SC)",
+    *DESCRIPTION.splitlines()[1:],
+  ]
+  assert int(viz.row_placement(plan, "ta", [13])["physical_row"][0]) == 107
+  np.testing.assert_array_equal(
+    viz.shard_table_index(plan, 4, "tb_ta"),
+    viz.shard_table_index(plan.specs_tree, 4, "tb_ta"),
+  )
+  with pytest.raises(ValueError, match="the plan has 4 shards"):
+    viz.shard_table_index(plan, 8, "tb_ta")

@@ -225,6 +225,85 @@ class RunResult:
   last_stats: Any
 
 
+def _refresh_limits(
+  trainer: Any, fdo: Any, config: RunConfig
+) -> tuple[Any, tuple[int, int, int]]:
+  """Publishes the FDO stats and rebuilds the layer with limits fitted to them.
+
+  Returns:
+    The trainer holding the new layer (same variables), and the stack's new
+    `(max_ids_per_partition, max_unique_ids_per_partition,
+    suggested_coo_buffer_size_per_device)`.
+  """
+  from pz_sparsecore.fdo import scale_stats, update_preprocessing_parameters
+  from pz_sparsecore.nn.respec import with_feature_specs
+
+  fdo.publish()
+  observed = scale_stats(fdo.load(), config.fdo_headroom)
+  embed = trainer.model.embed
+  new_specs = update_preprocessing_parameters(
+    embed.config.plan.specs_tree,
+    observed,
+    config.sc_per_device,
+    global_device_count=config.devices,
+  )
+  embed = with_feature_specs(embed, new_specs)
+  stack = embed.config.plan.stacks[0].spec
+  trainer = dataclasses.replace(
+    trainer, model=dataclasses.replace(trainer.model, embed=embed)
+  )
+  return trainer, (
+    stack.max_ids_per_partition,
+    stack.max_unique_ids_per_partition,
+    stack.suggested_coo_buffer_size_per_device,
+  )
+
+
+def _train(
+  trainer: Any, data: Any, fdo: Any, config: RunConfig, progress: bool
+) -> tuple[Any, dict[str, Any]]:
+  """`config.steps` training steps with FDO refreshes.
+
+  Returns:
+    The trained trainer and the `RunResult` fields it measured (`losses`,
+    `step_times`, `fdo_updates`, `dropped_ids`, `last_stats`).
+  """
+  import time
+
+  from tqdm.auto import tqdm
+
+  batches = data.batches(config.batch_size, seed=config.seed)
+  losses, times, fdo_updates, dropped = [], [], [], 0
+  stats = None
+  bar = tqdm(range(config.steps), disable=not progress, unit="step")
+  for step in bar:
+    start = time.perf_counter()
+    context, labels = next(batches)
+    inputs, stats = trainer.model.embed.preprocess(
+      {FEATURE: context}, batch_number=step, allow_id_dropping=True
+    )
+    fdo.record(stats)
+    dropped += sum(int(v) for v in stats.id_drop_counters.values())
+    aux = trainer.step(inputs=inputs, labels=jnp.asarray(labels))
+    losses.append(float(aux["loss"]))
+    times.append(time.perf_counter() - start)
+    bar.set_postfix(
+      loss=f"{losses[-1]:.3f}",
+      examples_per_s=f"{config.batch_size / times[-1]:,.0f}",
+    )
+    if config.fdo_every and (step + 1) % config.fdo_every == 0:
+      trainer, limits = _refresh_limits(trainer, fdo, config)
+      fdo_updates.append((step + 1, *limits))
+  bar.close()
+  return trainer, {
+    "losses": losses,
+    "step_times": times,
+    "fdo_updates": fdo_updates,
+    "dropped_ids": dropped,
+    "last_stats": stats,
+  }
+
+
 def run(
   config: RunConfig,
   *,
@@ -241,18 +320,14 @@ def run(
 
   Returns:
     The run's measurements and the trained model.
+
+  Raises:
+    ValueError: If `config.devices` exceeds the devices JAX sees.
   """
-  import time
   import uuid
 
-  from tqdm.auto import tqdm
-
   from pz_sparsecore.data import ShakespeareData
-  from pz_sparsecore.fdo import (
-    NPZFileFDOClient,
-    scale_stats,
-    update_preprocessing_parameters,
-  )
+  from pz_sparsecore.fdo import NPZFileFDOClient
   from pz_sparsecore.nn.training import SparseCoreTrainer
 
   if config.devices > jax.device_count():
@@ -277,64 +352,16 @@ def run(
     jax.random.key(config.seed + 1), model, optax.adam(2e-3), loss_fn
   )
   fdo = NPZFileFDOClient(fdo_dir, run_id=uuid.uuid4().hex)
-  batches = data.batches(config.batch_size, seed=config.seed)
-  losses, times, fdo_updates, dropped = [], [], [], 0
-  stats = None
-  bar = tqdm(range(config.steps), disable=not progress, unit="step")
-  for step in bar:
-    start = time.perf_counter()
-    context, labels = next(batches)
-    inputs, stats = trainer.model.embed.preprocess(
-      {FEATURE: context}, batch_number=step, allow_id_dropping=True
-    )
-    fdo.record(stats)
-    dropped += sum(int(v) for v in stats.id_drop_counters.values())
-    aux = trainer.step(inputs=inputs, labels=jnp.asarray(labels))
-    losses.append(float(aux["loss"]))
-    times.append(time.perf_counter() - start)
-    bar.set_postfix(
-      loss=f"{losses[-1]:.3f}",
-      examples_per_s=f"{config.batch_size / times[-1]:,.0f}",
-    )
-    if config.fdo_every and (step + 1) % config.fdo_every == 0:
-      fdo.publish()
-      observed = scale_stats(fdo.load(), config.fdo_headroom)
-      embed = trainer.model.embed
-      new_specs = update_preprocessing_parameters(
-        embed.config.specs_tree,
-        observed,
-        config.sc_per_device,
-        global_device_count=config.devices,
-      )
-      embed = embed.with_feature_specs(new_specs)
-      stack = next(iter(embed.config.stacks.values()))
-      fdo_updates.append(
-        (
-          step + 1,
-          stack.max_ids_per_partition,
-          stack.max_unique_ids_per_partition,
-          stack.suggested_coo_buffer_size_per_device,
-        )
-      )
-      trainer = dataclasses.replace(
-        trainer, model=dataclasses.replace(trainer.model, embed=embed)
-      )
-  bar.close()
+  trainer, measured = _train(trainer, data, fdo, config, progress)
   eval_batches = list(
     data.eval_batches(config.batch_size, max_batches=config.eval_batches)
   )
-  heldout = evaluate(trainer.model, eval_batches)
-  baseline = unigram_metrics(data.unigram_counts("train"), eval_batches)
   return RunResult(
     config=config,
-    losses=losses,
-    step_times=times,
-    fdo_updates=fdo_updates,
-    dropped_ids=dropped,
-    heldout=heldout,
-    baseline=baseline,
+    heldout=evaluate(trainer.model, eval_batches),
+    baseline=unigram_metrics(data.unigram_counts("train"), eval_batches),
     model=trainer.model,
-    last_stats=stats,
+    **measured,
   )
 
 

@@ -97,7 +97,7 @@ def _loss_plot(path: str, result: Any) -> None:
 
 
 def write_report(directory: str | os.PathLike, result: Any) -> str:
-  """Writes the report of a `models.shakespeare.run` result.
+  """Writes the report of a `shakespeare.run` result.
 
   Args:
     directory: Output directory (created if missing).

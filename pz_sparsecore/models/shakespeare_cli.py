@@ -1,8 +1,9 @@
-"""Command line: `python -m pz_sparsecore shakespeare [options]`.
+"""The `shakespeare` command: `python -m pz_sparsecore shakespeare [options]`.
 
 Trains the Shakespeare next-word model on a mesh of virtual CPU devices and
-optionally writes an HTML report. JAX is imported only after the arguments
-are checked, so `--devices` can set the number of virtual devices.
+optionally writes an HTML report (`shakespeare_report`). JAX is imported
+only after the arguments are checked, so `--devices` can set the number of
+virtual devices.
 """
 
 from __future__ import annotations
@@ -11,16 +12,20 @@ import argparse
 import os
 import sys
 import tempfile
+from typing import Any
 
 from pz_sparsecore.models.shakespeare_config import OPTIMIZER_NAMES, RunConfig
 
 
-def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
-    prog="python -m pz_sparsecore",
-    description="SparseCore-style embeddings for Penzai.",
-  )
-  commands = parser.add_subparsers(dest="command", required=True)
+def add_parser(commands: Any) -> argparse.ArgumentParser:
+  """Adds the `shakespeare` command to a parser's subcommands.
+
+  Args:
+    commands: What `ArgumentParser.add_subparsers` returned.
+
+  Returns:
+    The command's parser; parsed arguments carry `main` as `run_command`.
+  """
   shakespeare = commands.add_parser(
     "shakespeare",
     help="train a next-word model on Shakespeare with a sharded embedding",
@@ -51,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
   shakespeare.add_argument(
     "--no-progress", action="store_true", help="hide the progress bar"
   )
-  return parser
+  shakespeare.set_defaults(run_command=main)
+  return shakespeare
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -79,10 +85,18 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-  """Entry point; returns the process exit code."""
-  parser = _parser()
-  args = parser.parse_args(argv)
+def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+  """Runs the command on parsed arguments.
+
+  Args:
+    parser: The parser that read `args` (argument errors go through it and
+      exit with status 2).
+    args: The parsed arguments.
+
+  Returns:
+    The process exit code: 0, or 1 if the run failed (the reason is printed
+    to stderr).
+  """
   _check(parser, args)
   flag = f"--xla_force_host_platform_device_count={args.devices}"
   flags = os.environ.get("XLA_FLAGS", "")
@@ -113,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
       return 1
   print(shakespeare.summary(result))
   if args.report:
-    from pz_sparsecore import report
+    from pz_sparsecore.models import shakespeare_report
 
-    path = report.write_report(args.report, result)
+    path = shakespeare_report.write_report(args.report, result)
     print(f"report: {path}")
   return 0
