@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pz_sparsecore import kernels
+from pz_sparsecore import buffer_format, kernels
 
 BATCH = 4096
 IDS_PER_SAMPLE = 32
@@ -63,15 +63,14 @@ def build_buffers(ids: np.ndarray) -> tuple[np.ndarray, ...]:
   key = np.unique(ids.reshape(-1) * BATCH + samples, return_counts=True)
   keys, counts = key
   n = keys.shape[0]
-  align = kernels.PARTITION_ALIGNMENT
-  seg_len = (n + align - 1) // align * align
-  emb = np.full(seg_len, kernels.PAD_ID, np.int32)
-  sid = np.full(seg_len, kernels.PAD_ID, np.int32)
-  gains = np.full(seg_len, np.nan, np.float32)
+  seg_len = buffer_format.round_up(n)
+  emb = np.full(seg_len, buffer_format.PAD_ID, np.int32)
+  sid = np.full(seg_len, buffer_format.PAD_ID, np.int32)
+  gains = np.full(seg_len, buffer_format.PAD_GAIN, np.float32)
   emb[:n] = keys // BATCH
   sid[:n] = keys % BATCH
   gains[:n] = counts
-  row_pointers = np.full(8, n, np.int32)
+  row_pointers = np.full(buffer_format.row_pointers_per_sc(1), n, np.int32)
   return row_pointers, emb, sid, gains
 
 

@@ -181,7 +181,7 @@ def _local_update(
     tuple(slots),
     optimizer=stack.optimizer.short_name(),
     hyperparameters=hyper,
-    **stack.optimizer.static_attributes(),
+    static_attributes=stack.optimizer.static_attributes(),
     **_kernel_shape(stack, topo),
   )
 

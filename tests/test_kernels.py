@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pz_sparsecore import kernels
+from pz_sparsecore import buffer_format, kernels, optimizers
 
-PAD = kernels.PAD_ID
-ALIGN = kernels.PARTITION_ALIGNMENT
+PAD = buffer_format.PAD_ID
+MLR = "multiply_linear_by_learning_rate"
 
 
 @dataclasses.dataclass
@@ -47,10 +47,6 @@ class Buffers:
       rows_per_partition=self.rows_per_partition,
       partition_begin=partition_begin,
     )
-
-
-def _r8(x: int) -> int:
-  return (x + ALIGN - 1) // ALIGN * ALIGN
 
 
 def make_buffers(
@@ -105,13 +101,14 @@ def make_buffers(
       parts.append((entries, invalid))
     per_segment.append(parts)
   needed = max(
-    sum(_r8(len(e) + len(i)) for e, i in parts) for parts in per_segment
+    sum(buffer_format.round_up(len(e) + len(i)) for e, i in parts)
+    for parts in per_segment
   )
-  seg_len = seg_len or needed + 2 * ALIGN
-  rp_stride = max(num_partitions, 8)
+  seg_len = seg_len or needed + 2 * buffer_format.ALIGNMENT
+  rp_stride = buffer_format.row_pointers_per_sc(num_partitions)
   ids = np.full(num_segments * seg_len, PAD, np.int32)
   sids = np.full(num_segments * seg_len, PAD, np.int32)
-  gains = np.full(num_segments * seg_len, np.nan, np.float32)
+  gains = np.full(num_segments * seg_len, buffer_format.PAD_GAIN, np.float32)
   rps = np.zeros(num_segments * rp_stride, np.int32)
   truth = []
   for k, parts in enumerate(per_segment):
@@ -126,7 +123,7 @@ def make_buffers(
           truth.append((k, p, r, s, float(np.float32(g))))
       end = start + len(allrows)
       rps[k * rp_stride + p] = end
-      pos = _r8(end)
+      pos = buffer_format.round_up(end)
     rps[k * rp_stride + num_partitions : (k + 1) * rp_stride] = pos
   return Buffers(
     rps,
@@ -171,7 +168,7 @@ def _table(buf: Buffers, dim: int, seed: int, partitions=None) -> np.ndarray:
 
 def _slots(optimizer: str, table: np.ndarray, seed: int) -> tuple:
   rng = np.random.default_rng(seed)
-  n = len(kernels.OPTIMIZERS[optimizer].slot_names)
+  n = len(optimizers.REGISTRY[optimizer].slot_names)
   out = []
   for i in range(n):
     if optimizer in ("adagrad", "adagrad_momentum", "ftrl") and i == 0:
@@ -191,14 +188,14 @@ HYPERPARAMETERS = {
   "ftrl": [0.1, -0.5, 0.0, 0.0, 0.0],
 }
 GRAD_CASES = [
-  ("sgd", HYPERPARAMETERS["sgd"], False),
-  ("adagrad", HYPERPARAMETERS["adagrad"], False),
-  ("adagrad_momentum", HYPERPARAMETERS["adagrad_momentum"], False),
-  ("adagrad_momentum", [0.05, 0.8, 0.95, 1e-6, 3.0, 1.0], False),
-  ("adam", HYPERPARAMETERS["adam"], False),
-  ("ftrl", HYPERPARAMETERS["ftrl"], False),
-  ("ftrl", [0.1, -0.7, 0.05, 0.1, 0.2], False),
-  ("ftrl", [0.1, -0.5, 0.05, 0.1, 0.2], True),
+  ("sgd", HYPERPARAMETERS["sgd"], {}),
+  ("adagrad", HYPERPARAMETERS["adagrad"], {}),
+  ("adagrad_momentum", HYPERPARAMETERS["adagrad_momentum"], {}),
+  ("adagrad_momentum", [0.05, 0.8, 0.95, 1e-6, 3.0, 1.0], {}),
+  ("adam", HYPERPARAMETERS["adam"], {}),
+  ("ftrl", HYPERPARAMETERS["ftrl"], {MLR: False}),
+  ("ftrl", [0.1, -0.7, 0.05, 0.1, 0.2], {MLR: False}),
+  ("ftrl", [0.1, -0.5, 0.05, 0.1, 0.2], {MLR: True}),
 ]
 
 FORWARD_CASES = {
@@ -247,7 +244,7 @@ def decode_truth(buf: Buffers) -> list[tuple[int, int, int, int, float]]:
   for k in range(buf.num_segments):
     rp = buf.row_pointers[k * stride : (k + 1) * stride]
     for p in range(buf.num_partitions):
-      begin = 0 if p == 0 else _r8(max(int(rp[p - 1]), 0))
+      begin = 0 if p == 0 else buffer_format.round_up(max(int(rp[p - 1]), 0))
       for j in range(begin, min(int(rp[p]), seg_len)):
         at = k * seg_len + j
         r, s = int(buf.embedding_ids[at]), int(buf.sample_ids[at])
@@ -267,7 +264,7 @@ def test_overflowed_row_pointers(impl):
   # the stop offset, and the buffer past it holds stale entries.
   buf = make_buffers(11, num_segments=1, num_partitions=4)
   rp = buf.row_pointers.copy()
-  stop = _r8(int(rp[1])) + 3
+  stop = buffer_format.round_up(int(rp[1])) + 3
   rp[2:] = stop
   buf = dataclasses.replace(buf, row_pointers=rp)
   buf = dataclasses.replace(buf, entries=decode_truth(buf))
@@ -317,9 +314,9 @@ def _forward(buf, table, impl, partition_begin=0):
   return fn(*buf.args(), jnp.asarray(table))
 
 
-@pytest.mark.parametrize("opt,hp,mlr", GRAD_CASES)
+@pytest.mark.parametrize("opt,hp,static", GRAD_CASES)
 @pytest.mark.parametrize("case", ["multi", "empty_parts", "many_parts"])
-def test_grad_ffi_matches_reference(opt, hp, mlr, case):
+def test_grad_ffi_matches_reference(opt, hp, static, case):
   buf = make_buffers(5, **FORWARD_CASES[case])
   table = _table(buf, 19, seed=2)
   slots = _slots(opt, table, seed=3)
@@ -328,13 +325,13 @@ def test_grad_ffi_matches_reference(opt, hp, mlr, case):
     .normal(size=(buf.num_segments * buf.samples_per_segment, 19))
     .astype(np.float32)
   )
-  kw = dict(buf.layout(), multiply_linear_by_learning_rate=mlr)
+  kw = dict(buf.layout(), static_attributes=static)
   got = _grad_call(buf, act_grad, table, slots, opt, hp, "ffi", **kw)
   want = _grad_call(buf, act_grad, table, slots, opt, hp, "reference", **kw)
   referenced = sorted(row_grads(buf, act_grad, table.shape[0]))
   untouched = np.setdiff1d(np.arange(table.shape[0]), referenced)
   for name, g, w, old in zip(
-    ("table",) + kernels.OPTIMIZERS[opt].slot_names,
+    ("table",) + optimizers.REGISTRY[opt].slot_names,
     (got[0],) + got[1],
     (want[0],) + want[1],
     (table,) + slots,
@@ -463,7 +460,7 @@ def test_three_steps_match_numpy(impl, opt, mlr):
       opt,
       hp,
       impl,
-      multiply_linear_by_learning_rate=mlr,
+      static_attributes={MLR: mlr} if opt == "ftrl" else {},
       **buf.layout(),
     )
     for r, g in row_grads(buf, act_grad, table.shape[0]).items():
@@ -633,6 +630,7 @@ def test_forward_errors(change, match):
     ("sgd", dict(hyperparameters=np.zeros(1, np.int32)), "float32"),
     ("sgd", dict(clip=(1.0, -1.0)), "clip"),
     ("rmsprop", dict(), "Unknown optimizer"),
+    ("sgd", dict(static_attributes={MLR: True}), "'sgd' has no static"),
   ],
 )
 def test_grad_errors(opt, change, match):
@@ -666,13 +664,13 @@ def _grad_positional(buf, kw):
 
 def test_handler_rejects_bad_operands_without_crashing():
   # Bypass the Python checks: the C++ handler must return an error.
-  from pz_sparsecore.kernels import _common, ffi
+  from pz_sparsecore.kernels import contract, ffi
 
   buf, table = _error_operands()
-  layout = _common.check_buffers(*buf.args(), table, **buf.layout())
-  bad = dataclasses.replace(layout, num_partitions=100)
+  shape = contract.check_buffers(*buf.args(), table, **buf.layout())
+  bad = dataclasses.replace(shape, num_partitions=100)
   with pytest.raises(Exception, match="row_pointers"):
     jax.block_until_ready(ffi.sparse_dense_matmul(*buf.args(), table, bad))
-  bad = dataclasses.replace(layout, rows_per_partition=5)
+  bad = dataclasses.replace(shape, rows_per_partition=5)
   with pytest.raises(Exception, match="rows_per_partition"):
     jax.block_until_ready(ffi.sparse_dense_matmul(*buf.args(), table, bad))

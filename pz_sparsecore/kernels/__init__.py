@@ -5,8 +5,8 @@ preprocessor (``pz_sparsecore.preprocess``). Per segment ``k`` (SparseCore)
 the arrays ``embedding_ids``, ``sample_ids`` and ``gains`` hold ``seg_len``
 entries and ``row_pointers`` holds ``rp_stride`` values; partition ``p`` of
 the segment spans entries ``[r8(rp[p - 1]), rp[p])`` (``r8`` rounds up to a
-multiple of :data:`PARTITION_ALIGNMENT`; the first partition starts at 0),
-sorted by (row, sample). Gaps hold :data:`PAD_ID` and NaN gains.
+multiple of ``buffer_format.ALIGNMENT``; the first partition starts at 0),
+sorted by (row, sample). Gaps hold ``buffer_format.PAD_ID`` and NaN gains.
 
 Example, one segment, two partitions of 4 rows, two samples::
 
@@ -18,9 +18,10 @@ Example, one segment, two partitions of 4 rows, two samples::
 
 :func:`sparse_dense_matmul` computes the activations and
 :func:`sparse_dense_matmul_grad` applies the backward fused with an optimizer
-update, in place, to the referenced rows only. The C++ handlers run on CPU
-(and on CUDA when built with it); ``reference`` is the pure-JAX oracle and
-fallback.
+update (an entry of ``pz_sparsecore.optimizers``), in place, to the referenced
+rows only. The C++ handlers run on CPU (and on CUDA when built with it);
+``reference`` is the pure-JAX oracle and fallback. ``contract`` checks every
+call's operands before either runs.
 
 On Linux the CPU handlers ask for transparent huge pages behind table and slot
 buffers of at least 32 MiB: the first time a buffer's address range is seen,
@@ -34,12 +35,6 @@ misses). Contents are unchanged and failures are ignored; set
 from __future__ import annotations
 
 from pz_sparsecore.kernels import reference
-from pz_sparsecore.kernels._common import (
-  OPTIMIZERS,
-  PAD_ID,
-  PARTITION_ALIGNMENT,
-  OptimizerInfo,
-)
 from pz_sparsecore.kernels.ffi import available as ffi_available
 from pz_sparsecore.kernels.ops import (
   sparse_dense_matmul,
@@ -47,10 +42,6 @@ from pz_sparsecore.kernels.ops import (
 )
 
 __all__ = [
-  "OPTIMIZERS",
-  "PAD_ID",
-  "PARTITION_ALIGNMENT",
-  "OptimizerInfo",
   "ffi_available",
   "reference",
   "sparse_dense_matmul",

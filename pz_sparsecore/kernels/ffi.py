@@ -11,17 +11,25 @@ The backward targets update the table and slots in place: they are aliased
 to the results (``input_output_aliases``), so a caller that donates them
 (``jax.jit(..., donate_argnums=...)``) gets an O(batch) step. Without
 donation XLA copies them first, which is correct but O(table).
+
+Every backward handler binds the same attributes
+(``csrc/sparse_dense_matmul_grad.cc``): the buffer shape, the clip range and
+the static attributes of every optimizer in the registry. A call passes its
+optimizer's static attributes and the others' defaults, e.g. an SGD call
+passes ``multiply_linear_by_learning_rate=False`` (FTRL's switch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pz_sparsecore.kernels import _common
+from pz_sparsecore import optimizers
+from pz_sparsecore.kernels import contract
 
 try:
   from pz_sparsecore import _pzsc_ffi as _ext
@@ -55,14 +63,41 @@ def available(target: str = FORWARD_TARGET, platform: str = "cpu") -> bool:
   return platform.lower() in _PLATFORMS.get(target, frozenset())
 
 
-def _layout_attrs(layout: _common.BufferLayout) -> dict[str, np.int64]:
+def _shape_attrs(shape: contract.BufferShape) -> dict[str, np.int64]:
   return {
-    "num_segments": np.int64(layout.num_segments),
-    "samples_per_segment": np.int64(layout.samples_per_segment),
-    "num_partitions": np.int64(layout.num_partitions),
-    "rows_per_partition": np.int64(layout.rows_per_partition),
-    "partition_begin": np.int64(layout.partition_begin),
+    "num_segments": np.int64(shape.num_segments),
+    "samples_per_segment": np.int64(shape.samples_per_segment),
+    "num_partitions": np.int64(shape.num_partitions),
+    "rows_per_partition": np.int64(shape.rows_per_partition),
+    "partition_begin": np.int64(shape.partition_begin),
   }
+
+
+#: The backward handlers' static attributes with their defaults: the union of
+#: the registry's (the handlers bind them all, whatever the optimizer).
+_STATIC_DEFAULTS: dict[str, Any] = {
+  name: value
+  for info in optimizers.REGISTRY.values()
+  for name, value in contract.static_attribute_defaults(info).items()
+}
+
+
+def _static_attrs(static_attributes: Mapping[str, Any]) -> dict[str, Any]:
+  """Every handler's static attribute, the call's value or its default.
+
+  Static attributes are switches: the handlers bind them as ``bool``.
+
+  Raises:
+    TypeError: If a value is not a bool.
+  """
+  attrs = {}
+  for name, value in {**_STATIC_DEFAULTS, **static_attributes}.items():
+    if not isinstance(value, (bool, np.bool_)):
+      raise TypeError(
+        f"static attribute {name!r} must be a bool, got {value!r}."
+      )
+    attrs[name] = np.bool_(value)
+  return attrs
 
 
 def _varying_axes(x: jax.Array) -> frozenset:
@@ -101,15 +136,15 @@ def sparse_dense_matmul(
   sample_ids: jax.Array,
   gains: jax.Array,
   table: jax.Array,
-  layout: _common.BufferLayout,
+  shape: contract.BufferShape,
 ) -> jax.Array:
   """Calls the forward handler (validated operands; see ``ops``)."""
-  out_type = jax.ShapeDtypeStruct((layout.num_outputs, layout.dim), jnp.float32)
+  out_type = jax.ShapeDtypeStruct((shape.num_outputs, shape.dim), jnp.float32)
   call = jax.ffi.ffi_call(FORWARD_TARGET, out_type, vmap_method="sequential")
   operands, axes = _unify_vma(
     (row_pointers, embedding_ids, sample_ids, gains, table)
   )
-  return _to_varying(call(*operands, **_layout_attrs(layout)), axes)
+  return _to_varying(call(*operands, **_shape_attrs(shape)), axes)
 
 
 def sparse_dense_matmul_grad(
@@ -120,12 +155,12 @@ def sparse_dense_matmul_grad(
   gains: jax.Array,
   table: jax.Array,
   slots: Sequence[jax.Array],
-  layout: _common.BufferLayout,
+  shape: contract.BufferShape,
   *,
   optimizer: str,
   hyperparameters: jax.Array,
   clip: tuple[float, float] | None = None,
-  multiply_linear_by_learning_rate: bool = False,
+  static_attributes: Mapping[str, Any] | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
   """Calls the fused backward handler (validated operands; see ``ops``)."""
   slots = tuple(slots)
@@ -152,11 +187,11 @@ def sparse_dense_matmul_grad(
   )
   new_table, *new_slots = call(
     *operands,
-    **_layout_attrs(layout),
+    **_shape_attrs(shape),
     clip=np.bool_(clip is not None),
     clip_min=np.float32(lo),
     clip_max=np.float32(hi),
-    multiply_linear_by_learning_rate=np.bool_(multiply_linear_by_learning_rate),
+    **_static_attrs(static_attributes or {}),
   )
   return _to_varying(new_table, axes), tuple(
     _to_varying(s, axes) for s in new_slots

@@ -1,9 +1,9 @@
 """Public kernels: the sparse-dense matmul and its fused optimizer backward.
 
-Both functions take one device's CSR-wrapped COO buffers (see ``_common``
-and the package docstring) and one table shard, validate them up front
-(``ValueError`` on a bad dtype, rank or size) and dispatch to an
-implementation:
+Both functions take one device's CSR-wrapped COO buffers (see the package
+docstring and ``pz_sparsecore.buffer_format``) and one table shard, validate
+them up front (``contract``: ``ValueError`` on a bad dtype, rank or size) and
+dispatch to an implementation:
 
 * ``implementation=None``: the C++ FFI handler where one is compiled for the
   platform the call is lowered for (CPU; CUDA for a ``-DPZSC_CUDA=ON`` build),
@@ -19,11 +19,12 @@ shard). Under ``vmap`` the FFI handlers run once per batch element
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 
-from pz_sparsecore.kernels import _common, ffi, reference
+from pz_sparsecore.kernels import contract, ffi, reference
 
 _IMPLEMENTATIONS = (None, "ffi", "reference")
 
@@ -34,6 +35,26 @@ def _check_implementation(implementation: str | None) -> None:
       f"implementation must be one of {_IMPLEMENTATIONS}, got "
       f"{implementation!r}."
     )
+
+
+def _grad_fn(impl, shape: contract.BufferShape, **kwargs):
+  """``impl`` (a backward) as a function of the dispatched operands."""
+
+  def fn(grad, rp, ids, sids, gains, table, hyper, *slots):
+    return impl(
+      grad,
+      rp,
+      ids,
+      sids,
+      gains,
+      table,
+      slots,
+      shape,
+      hyperparameters=hyper,
+      **kwargs,
+    )
+
+  return fn
 
 
 def _as_matrices(fn, dim: int):
@@ -119,7 +140,7 @@ def sparse_dense_matmul(
     ValueError: If an operand's dtype, rank or size is inconsistent.
   """
   _check_implementation(implementation)
-  layout = _common.check_buffers(
+  shape = contract.check_buffers(
     row_pointers,
     embedding_ids,
     sample_ids,
@@ -134,9 +155,9 @@ def sparse_dense_matmul(
   fn = _dispatch(
     ffi.FORWARD_TARGET,
     implementation,
-    lambda *a: ffi.sparse_dense_matmul(*a, layout),
+    lambda *a: ffi.sparse_dense_matmul(*a, shape),
     lambda *a: reference.sparse_dense_matmul(
-      *a[:4], a[4].reshape(-1, layout.dim), layout
+      *a[:4], a[4].reshape(-1, shape.dim), shape
     ),
   )
   return fn(row_pointers, embedding_ids, sample_ids, gains, table)
@@ -159,7 +180,7 @@ def sparse_dense_matmul_grad(
   rows_per_partition: int,
   partition_begin: int = 0,
   clip: tuple[float, float] | None = None,
-  multiply_linear_by_learning_rate: bool = False,
+  static_attributes: Mapping[str, Any] | None = None,
   implementation: str | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
   """Backward of :func:`sparse_dense_matmul` fused with an optimizer step.
@@ -168,9 +189,10 @@ def sparse_dense_matmul_grad(
   counts) gets the gradient ``sum(gain * activation_grad[k *
   samples_per_segment + i])`` over all its entries in all segments, and the
   optimizer is applied once to the row and its slots (equations: research
-  notes section 4.3, ``reference.apply_optimizer``). The new table row (not
-  the slots) is then clipped to ``clip`` if given. Other rows and slots are
-  returned bit-identical. Work is O(entries), independent of the table size.
+  notes section 4.3, the registry entry's ``update`` in
+  ``pz_sparsecore.optimizers``). The new table row (not the slots) is then
+  clipped to ``clip`` if given. Other rows and slots are returned
+  bit-identical. Work is O(entries), independent of the table size.
 
   The FFI handler updates ``table`` and ``slots`` in place: they are aliased
   to the results, so callers must donate them (e.g. ``jax.jit(step,
@@ -184,24 +206,24 @@ def sparse_dense_matmul_grad(
     sample_ids: int32 segment-local samples (as in the forward).
     gains: float32 gains (as in the forward).
     table: float32 ``[num_table_partitions * rows_per_partition, dim]``.
-    slots: The optimizer's slot variables, each shaped like ``table``:
-      ``()`` for sgd, ``(accumulator,)`` for adagrad, ``(accumulator,
-      momentum)`` for adagrad_momentum, ``(momentum, velocity)`` for adam,
-      ``(accumulator, linear)`` for ftrl.
-    optimizer: ``"sgd"``, ``"adagrad"``, ``"adagrad_momentum"``, ``"adam"``
-      or ``"ftrl"``.
-    hyperparameters: float32 vector: sgd / adagrad ``(lr,)``;
-      adagrad_momentum ``(lr, momentum, beta2, epsilon, exponent,
-      use_nesterov)``; adam ``(alpha_t, beta_1, beta_2, epsilon_hat)``,
-      already bias-corrected; ftrl ``(lr, lr_power, l1, l2, beta)``. An
-      operand, so a new value never recompiles.
+    slots: The optimizer's slot variables in its ``slot_names`` order, each
+      shaped like ``table``: ``()`` for sgd, ``(accumulator, linear)`` for
+      ftrl.
+    optimizer: A name in the optimizer registry: ``"sgd"``, ``"adagrad"``,
+      ``"adagrad_momentum"``, ``"adam"`` or ``"ftrl"``.
+    hyperparameters: float32 vector in the optimizer's
+      ``hyperparameter_names`` order, e.g. ftrl ``(lr, lr_power, l1, l2,
+      beta)``; adam's arrive bias-corrected. An operand, so a new value
+      never recompiles.
     num_segments: SparseCore segments in the buffers.
     samples_per_segment: Output rows per segment.
     num_partitions: Partitions per segment in the row pointers.
     rows_per_partition: Rows of one partition's table shard.
     partition_begin: First partition held by ``table``.
     clip: Optional ``(min, max)`` applied to updated table rows.
-    multiply_linear_by_learning_rate: FTRL's variant (static).
+    static_attributes: The optimizer's compile-time switches by name (its
+      entry's ``static_attributes``, e.g. ftrl's
+      ``{"multiply_linear_by_learning_rate": True}``); left out: defaults.
     implementation: ``None`` (FFI where compiled, else reference),
       ``"ffi"`` or ``"reference"``.
 
@@ -209,60 +231,54 @@ def sparse_dense_matmul_grad(
     ``(new_table, new_slots)`` with ``new_slots`` a tuple in slot order.
 
   Raises:
-    ValueError: If an operand's dtype, rank or size is inconsistent, or the
-      optimizer is unknown.
+    ValueError: If an operand's dtype, rank or size is inconsistent, the
+      optimizer is unknown or a static attribute is not the optimizer's.
+  """
+  # The first statement: `locals()` holds exactly the arguments above.
+  return _fused_update(**locals())
+
+
+def _fused_update(
+  *,
+  activation_grad: jax.Array,
+  slots: Sequence[jax.Array],
+  optimizer: str,
+  hyperparameters: jax.Array,
+  clip: tuple[float, float] | None,
+  static_attributes: Mapping[str, Any] | None,
+  implementation: str | None,
+  **forward_args: Any,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+  """Validates and runs :func:`sparse_dense_matmul_grad` on its arguments.
+
+  ``forward_args`` are the arguments it shares with the forward (buffers,
+  table and sizes), by name, as ``contract.check_buffers`` takes them.
   """
   _check_implementation(implementation)
-  layout = _common.check_buffers(
-    row_pointers,
-    embedding_ids,
-    sample_ids,
-    gains,
-    table,
-    num_segments=num_segments,
-    samples_per_segment=samples_per_segment,
-    num_partitions=num_partitions,
-    rows_per_partition=rows_per_partition,
-    partition_begin=partition_begin,
-  )
-  _common.check_grad_operands(
-    layout, activation_grad, table, slots, optimizer, hyperparameters, clip
+  shape = contract.check_buffers(**forward_args)
+  table = forward_args["table"]
+  info = contract.check_grad_operands(
+    shape, activation_grad, table, slots, optimizer, hyperparameters, clip
   )
   kwargs = dict(
     optimizer=optimizer,
     clip=None if clip is None else (float(clip[0]), float(clip[1])),
-    multiply_linear_by_learning_rate=bool(multiply_linear_by_learning_rate),
+    static_attributes=contract.check_static_attributes(info, static_attributes),
   )
-
-  def run(impl):
-    def fn(grad, rp, ids, sids, gains, table, hyper, *slots):
-      return impl(
-        grad,
-        rp,
-        ids,
-        sids,
-        gains,
-        table,
-        slots,
-        layout,
-        hyperparameters=hyper,
-        **kwargs,
-      )
-
-    return fn
-
   fn = _dispatch(
     ffi.grad_target(optimizer),
     implementation,
-    run(ffi.sparse_dense_matmul_grad),
-    _as_matrices(run(reference.sparse_dense_matmul_grad), layout.dim),
+    _grad_fn(ffi.sparse_dense_matmul_grad, shape, **kwargs),
+    _as_matrices(
+      _grad_fn(reference.sparse_dense_matmul_grad, shape, **kwargs), shape.dim
+    ),
   )
   new_table, new_slots = fn(
     activation_grad,
-    row_pointers,
-    embedding_ids,
-    sample_ids,
-    gains,
+    forward_args["row_pointers"],
+    forward_args["embedding_ids"],
+    forward_args["sample_ids"],
+    forward_args["gains"],
     table,
     hyperparameters,
     *slots,
