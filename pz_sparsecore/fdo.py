@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pz_sparsecore import layout
+from pz_sparsecore import buffer_format, layout
 from pz_sparsecore.preprocess import SparseDenseMatmulInputStats
 
 _FIELDS = {
@@ -206,8 +206,9 @@ def update_preprocessing_parameters(
     stats: Observed statistics (e.g. `FDOClient.load()`).
     num_sc_per_device: SparseCores per device.
     global_device_count: If given, the suggested buffer is capped at the
-      theoretical maximum `r8(max_ids) * S * N` the new limits allow (a
-      buffer above it would be rejected by the preprocessor).
+      theoretical maximum `r8(max_ids) * S * N` the new limits allow
+      (`buffer_format.compute_theoretical_max_coo_buffer_size`; a buffer
+      above it would be rejected by the preprocessor).
 
   Returns:
     New feature specs; the arguments are unchanged.
@@ -233,9 +234,12 @@ def update_preprocessing_parameters(
     if required is not None:
       suggested = required * num_sc_per_device
       if global_device_count is not None:
-        n = layout.num_shards(global_device_count, num_sc_per_device)
-        cap = layout.round_up(max_ids, layout.ROW_ALIGNMENT) * n
-        suggested = min(suggested, cap * num_sc_per_device)
+        suggested = min(
+          suggested,
+          buffer_format.compute_theoretical_max_coo_buffer_size(
+            max_ids, global_device_count, num_sc_per_device
+          ),
+        )
     new_stacks[name] = spec.replace(
       max_ids_per_partition=max_ids,
       max_unique_ids_per_partition=observed(

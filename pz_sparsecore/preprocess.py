@@ -16,23 +16,18 @@ Who owns an id. Id `e` of a table with rotation `c` and `row_offset_in_shard`
 `o` lives in partition `p = (e + c) % N` (the SparseCore that holds that
 shard; its device is `p // S`) at local row `e // N + o`.
 
-Buffers. Per stack, per local device, per local SparseCore `s`:
-
-* `lhs_row_pointers`: `max(N, 8)` entries per SparseCore, `R_dev = max(N, 8)
-  * S` per device. Entry `p` is the (unaligned) end of partition `p` inside
-  the SparseCore's segment; partition `p` starts at `r8(rp[p - 1])` (0 for
-  `p = 0`). Slots after the `N`-th repeat the final aligned offset.
-* `lhs_embedding_ids` (local row), `lhs_sample_ids`, `lhs_gains`: `C_dev`
-  entries per device, one segment of `C_dev / S` per SparseCore, holding the
-  partitions in order, each sorted by (local row, sample), each starting at a
-  multiple of 8. Duplicate (sample, id) pairs are merged and their gains
-  added; a gain is the id's weight (default 1) over its sample's combiner
-  divisor (sum: 1, mean: the sum of the weights, sqrtn: the root of the sum of
-  their squares, all over the sample's raw ids, duplicates included). Every
-  unused slot holds `PAD_ID` / `PAD_ID` / NaN.
-
-`C_dev` is `r8(max_ids_per_partition) * S * N` (nothing can overflow), or
-`suggested_coo_buffer_size_per_device` rounded up to a multiple of `8 * S`.
+Buffers. Per stack, per local device, per local SparseCore, in the format
+of `buffer_format` (8-aligned partitions, row pointers holding their
+unaligned ends, padding `PAD_ID` / `PAD_ID` / NaN): `lhs_row_pointers`
+(`R_dev = max(N, 8) * S` per device) and `lhs_embedding_ids` (local row),
+`lhs_sample_ids`, `lhs_gains` (`C_dev` per device). Each partition is sorted
+by (local row, sample). Duplicate (sample, id) pairs are merged and their
+gains added; a gain is the id's weight (default 1) over its sample's
+combiner divisor (sum: 1, mean: the sum of the weights, sqrtn: the root of
+the sum of their squares, all over the sample's raw ids, duplicates
+included). `C_dev` is `r8(max_ids_per_partition) * S * N` (nothing can
+overflow), or `suggested_coo_buffer_size_per_device` rounded up to a
+multiple of `8 * S`.
 
 Example: `G = L = 2`, `S = 1` (so `N = 2`), one table of 16 ids, "sum",
 limits 8, so `R_dev = 8` and `C_dev = 16`. Batch `[[3, 8, 3], [5, 0, 2],
@@ -63,12 +58,13 @@ Unlike upstream, all input errors raise `ValueError` naming the feature and
 the value, every output byte is defined, inputs are never modified, and ids
 of any integer dtype are read correctly.
 
-Implementation: the per-SparseCore work runs in one numba kernel
-(`_preprocess_kernels.fill_buffers`), parallel over (stack, device,
+Implementation: `ragged_input` converts and validates the inputs
+(vectorised), a chunk of stacks at a time; `_fill_numba.fill_buffers` does the
+per-SparseCore work in one numba kernel, parallel over (stack, device,
 SparseCore) work items: radix sort by physical row, then one walk that
-merges, counts, drops and writes. Python only converts and validates the
-inputs (vectorised), a chunk of stacks at a time, while the kernel (which
-releases the GIL) processes the previous chunk.
+merges, counts, drops and writes. The kernel releases the GIL, so it
+processes one chunk while Python converts the next. The sizes and offsets
+come from the `plan.Plan`.
 """
 
 from __future__ import annotations
@@ -77,31 +73,28 @@ import concurrent.futures
 import dataclasses
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-from pz_sparsecore import _preprocess_kernels as _kernels
-from pz_sparsecore import layout
+from pz_sparsecore import _fill_numba, buffer_format, ragged_input
 from pz_sparsecore import plan as plan_lib
-from pz_sparsecore.specs import FeatureSpec, StackedTableSpec
+from pz_sparsecore.buffer_format import (
+  PAD_ID,
+  compute_row_pointers_size_per_device,
+  compute_theoretical_max_coo_buffer_size,
+)
 
-PAD_ID = _kernels.PAD_ID
-"""Padding value of `lhs_embedding_ids` and `lhs_sample_ids` (2**31 - 1)."""
-
-ALIGNMENT = layout.ROW_ALIGNMENT
-"""Every partition of a COO segment starts at a multiple of this."""
-
-_INT32_MAX = np.iinfo(np.int32).max
 _PIPELINE_CHUNKS = 8
 # Serialises kernel launches: numba's fallback threading layer (workqueue)
 # aborts on concurrent parallel regions, and the kernels are parallel anyway.
 _KERNEL_LOCK = threading.Lock()
 _COMBINER_CODES = {
-  "sum": _kernels.COMBINER_SUM,
-  "mean": _kernels.COMBINER_MEAN,
-  "sqrtn": _kernels.COMBINER_SQRTN,
+  "sum": _fill_numba.COMBINER_SUM,
+  "mean": _fill_numba.COMBINER_MEAN,
+  "sqrtn": _fill_numba.COMBINER_SQRTN,
 }
 
 
@@ -165,63 +158,13 @@ class SparseDenseMatmulInputStats:
 # Buffer sizes.
 
 
-def _round_up(value: int, multiple: int) -> int:
-  return -(-value // multiple) * multiple
-
-
-def compute_row_pointers_size_per_device(
-  global_device_count: int, num_sc_per_device: int
-) -> int:
-  """Row pointers per device: `max(N, 8) * num_sc_per_device`.
-
-  Raises:
-    ValueError: If `N = global_device_count * num_sc_per_device` is not a
-      power of two.
-  """
-  n = layout.num_shards(global_device_count, num_sc_per_device)
-  return max(n, ALIGNMENT) * num_sc_per_device
-
-
-def compute_theoretical_max_coo_buffer_size(
-  max_ids_per_partition: int, global_device_count: int, num_sc_per_device: int
-) -> int:
-  """The COO buffer per device that no batch can overflow.
-
-  Returns:
-    `r8(max_ids_per_partition) * S * N`.
-  """
-  n = layout.num_shards(global_device_count, num_sc_per_device)
-  return _round_up(max_ids_per_partition, ALIGNMENT) * num_sc_per_device * n
-
-
-def _coo_size(
-  stacked: StackedTableSpec, global_device_count: int, num_sc_per_device: int
-) -> int:
-  c_max = compute_theoretical_max_coo_buffer_size(
-    stacked.max_ids_per_partition, global_device_count, num_sc_per_device
-  )
-  suggested = stacked.suggested_coo_buffer_size_per_device
-  if suggested is None:
-    return c_max
-  size = _round_up(suggested, ALIGNMENT * num_sc_per_device)
-  if size > c_max:
-    raise ValueError(
-      f"stack {stacked.stack_name!r}: suggested_coo_buffer_size_per_device="
-      f"{suggested} (rounded to {size}) exceeds the theoretical maximum "
-      f"{c_max} = r8(max_ids_per_partition={stacked.max_ids_per_partition})"
-      f" x {num_sc_per_device} SparseCores x "
-      f"{global_device_count * num_sc_per_device} partitions"
-    )
-  return size
-
-
 def compute_coo_buffer_size_per_device(
   feature_specs: Any, global_device_count: int, num_sc_per_device: int
 ) -> dict[str, int]:
   """The COO buffer length per device of every stack.
 
   Args:
-    feature_specs: A pytree of prepared `FeatureSpec`s.
+    feature_specs: A pytree of prepared `FeatureSpec`s (or their plan).
     global_device_count: Devices the tables are sharded over.
     num_sc_per_device: (Virtual) SparseCores per device.
 
@@ -232,15 +175,8 @@ def compute_coo_buffer_size_per_device(
     ValueError: If the specs are not prepared or a suggested size exceeds
       the theoretical maximum.
   """
-  stacks = _group_by_stack(_flatten_specs(feature_specs)[0])
-  return {
-    name: _coo_size(
-      group[0].table_spec.stacked_table_spec,
-      global_device_count,
-      num_sc_per_device,
-    )
-    for name, group in stacks.items()
-  }
+  plan = plan_lib.build(feature_specs, global_device_count, num_sc_per_device)
+  return {stack.name: stack.coo_per_device for stack in plan.stacks}
 
 
 def eval_preprocess_sparse_dense_matmul_input_shape(
@@ -286,14 +222,10 @@ def eval_preprocess_sparse_dense_matmul_input_shape(
   )
 
 
-# ---------------------------------------------------------------------------
-# Validation and conversion of the inputs.
-
-
 def _check_topology(
   local_device_count: int, global_device_count: int, num_sc_per_device: int
-) -> int:
-  n = layout.num_shards(global_device_count, num_sc_per_device)
+) -> None:
+  buffer_format.num_shards(global_device_count, num_sc_per_device)
   if (
     isinstance(local_device_count, bool)
     or not isinstance(local_device_count, (int, np.integer))
@@ -303,280 +235,6 @@ def _check_topology(
       f"local_device_count must be an integer in [1, global_device_count="
       f"{global_device_count}], got {local_device_count!r}"
     )
-  return n
-
-
-def _is_feature_spec(x: Any) -> bool:
-  return isinstance(x, FeatureSpec)
-
-
-def _flatten_specs(feature_specs: Any) -> tuple[list[FeatureSpec], Any]:
-  leaves, treedef = jax.tree.flatten(feature_specs, is_leaf=_is_feature_spec)
-  if not leaves:
-    raise ValueError("feature_specs holds no FeatureSpec")
-  names = set()
-  for leaf in leaves:
-    if not isinstance(leaf, FeatureSpec):
-      raise ValueError(
-        f"feature_specs must hold FeatureSpec leaves, got {type(leaf).__name__}"
-      )
-    if leaf.name in names:
-      raise ValueError(f"feature name {leaf.name!r} is used twice")
-    names.add(leaf.name)
-    table = leaf.table_spec
-    if table.stacked_table_spec is None or leaf.id_transformation is None:
-      raise ValueError(
-        f"feature {leaf.name!r}: its specs are not prepared (table "
-        f"{table.name!r} has no stacked_table_spec); call "
-        "layout.prepare_feature_specs_for_training first"
-      )
-  return leaves, treedef
-
-
-def _group_by_stack(specs: list[FeatureSpec]) -> dict[str, list[FeatureSpec]]:
-  """Features by stack name (first-appearance order), by `row_offset`."""
-  stacks: dict[str, list[FeatureSpec]] = {}
-  for spec in specs:
-    name = spec.table_spec.setting_in_stack.stack_name
-    stacks.setdefault(name, []).append(spec)
-  return {
-    name: sorted(group, key=lambda f: f.id_transformation.row_offset)
-    for name, group in stacks.items()
-  }
-
-
-def _leaves_like(treedef: Any, tree: Any, what: str) -> list[Any]:
-  """The subtrees of `tree` at the leaf positions of `treedef`."""
-  try:
-    return treedef.flatten_up_to(tree)
-  except (ValueError, TypeError) as e:
-    raise ValueError(
-      f"{what} must have the same tree structure as feature_specs "
-      f"({treedef}): {e}"
-    ) from e
-
-
-@dataclasses.dataclass
-class _Ragged:
-  """One feature's batch as flat values and row splits (int64 `[B + 1]`)."""
-
-  values: np.ndarray
-  splits: np.ndarray
-
-  @property
-  def num_rows(self) -> int:
-    return len(self.splits) - 1
-
-
-def _describe(leaf: Any) -> str:
-  if isinstance(leaf, np.ndarray):
-    return f"array of shape {leaf.shape} and dtype {leaf.dtype}"
-  return type(leaf).__name__
-
-
-def _concat_rows(name: str, rows: Any, what: str) -> _Ragged:
-  """Concatenates ragged rows (an object array or a list of 1-D arrays)."""
-  try:
-    lengths = np.fromiter(map(len, rows), np.int64, count=len(rows))
-  except TypeError as e:
-    raise ValueError(
-      f"feature {name!r}: every row of ragged {what} must be a 1-D array: {e}"
-    ) from e
-  splits = np.zeros(len(lengths) + 1, np.int64)
-  np.cumsum(lengths, out=splits[1:])
-  if len(lengths) == 0:
-    return _Ragged(np.zeros(0, np.int32), splits)
-  try:
-    values = np.concatenate(rows)
-  except (ValueError, TypeError) as e:
-    raise ValueError(
-      f"feature {name!r}: every row of ragged {what} must be a 1-D array: {e}"
-    ) from e
-  if values.ndim != 1 or len(values) != splits[-1]:
-    raise ValueError(f"feature {name!r}: rows of ragged {what} must be 1-D")
-  if values.dtype.kind not in "iu" and what == "ids":
-    # Empty rows made with np.array([]) are float64; ignore their dtype.
-    nonempty = [r for r in rows if len(r)]
-    values = np.concatenate(nonempty) if nonempty else np.zeros(0, np.int32)
-    if values.dtype.kind not in "iu":
-      for i, row in enumerate(rows):
-        row = np.asarray(row)
-        if row.size and row.dtype.kind not in "iu":
-          raise ValueError(
-            f"feature {name!r}: ids must be integers, got dtype {row.dtype} "
-            f"at sample {i}"
-          )
-  return _Ragged(values, splits)
-
-
-def _to_ragged(name: str, leaf: Any, what: str) -> _Ragged:
-  """Converts one feature (or weight) leaf to values and row splits."""
-  if isinstance(leaf, tuple):
-    if len(leaf) != 2:
-      raise ValueError(
-        f"feature {name!r}: a tuple of {what} must be (values, row_splits), "
-        f"got {len(leaf)} items"
-      )
-    values = np.asarray(leaf[0])
-    splits = np.asarray(leaf[1])
-    if values.ndim != 1:
-      raise ValueError(
-        f"feature {name!r}: the values of (values, row_splits) {what} must "
-        f"be 1-D, got shape {values.shape}"
-      )
-    if splits.ndim != 1 or len(splits) < 1 or splits.dtype.kind not in "iu":
-      raise ValueError(
-        f"feature {name!r}: row_splits of {what} must be a 1-D integer array "
-        f"starting at 0, got {_describe(splits)}"
-      )
-    splits = splits.astype(np.int64)
-    if (
-      splits[0] != 0
-      or splits[-1] != len(values)
-      or np.any(splits[1:] < splits[:-1])
-    ):
-      raise ValueError(
-        f"feature {name!r}: row_splits of {what} must rise from 0 to "
-        f"len(values)={len(values)}, got {splits[0]} .. {splits[-1]}"
-      )
-    return _Ragged(values, splits)
-  if isinstance(leaf, list):
-    return _concat_rows(name, leaf, what)
-  if isinstance(leaf, np.ndarray) and leaf.dtype == object:
-    if leaf.ndim != 1:
-      raise ValueError(
-        f"feature {name!r}: a ragged object array of {what} must be 1-D, got "
-        f"shape {leaf.shape}"
-      )
-    return _concat_rows(name, leaf, what)
-  try:
-    array = np.asarray(leaf)
-  except (ValueError, TypeError) as e:
-    raise ValueError(
-      f"feature {name!r}: cannot read {what} from {_describe(leaf)}: {e}"
-    ) from e
-  if array.ndim != 2:
-    raise ValueError(
-      f"feature {name!r}: dense {what} must be 2-D [batch, k], got shape "
-      f"{array.shape} (use x[:, None] for one id per sample, or a ragged "
-      "format)"
-    )
-  batch, k = array.shape
-  return _Ragged(array.reshape(-1), np.arange(batch + 1, dtype=np.int64) * k)
-
-
-def _sample_of(splits: np.ndarray, index: int) -> int:
-  return int(np.searchsorted(splits, index, side="right")) - 1
-
-
-def _check_ids(name: str, ids: _Ragged, vocab: int) -> None:
-  values = ids.values
-  if values.dtype.kind not in "iu":
-    raise ValueError(
-      f"feature {name!r}: ids must be integers, got dtype {values.dtype}"
-    )
-  if not values.size:
-    return
-  if values.min() >= 0 and values.max() < vocab:
-    return
-  bad = int(np.flatnonzero((values < 0) | (values >= vocab))[0])
-  raise ValueError(
-    f"feature {name!r}: id {values[bad]} outside [0, {vocab}) at sample "
-    f"{_sample_of(ids.splits, bad)}"
-  )
-
-
-def _check_weights(name: str, weights: _Ragged, ids: _Ragged) -> np.ndarray:
-  """Float32 weights aligned with `ids`, validated."""
-  if weights.values.dtype.kind not in "iuf":
-    raise ValueError(
-      f"feature {name!r}: weights must be real numbers, got dtype "
-      f"{weights.values.dtype}"
-    )
-  if weights.num_rows != ids.num_rows:
-    raise ValueError(
-      f"feature {name!r}: {weights.num_rows} rows of weights for "
-      f"{ids.num_rows} rows of ids"
-    )
-  if not np.array_equal(weights.splits, ids.splits):
-    row = int(np.flatnonzero(weights.splits != ids.splits)[0]) - 1
-    lengths = np.diff(ids.splits), np.diff(weights.splits)
-    raise ValueError(
-      f"feature {name!r}: sample {row} has {lengths[0][row]} ids but "
-      f"{lengths[1][row]} weights"
-    )
-  with np.errstate(over="ignore", invalid="ignore"):
-    values = weights.values.astype(np.float32)
-  if values.size and not np.isfinite(values).all():
-    bad = int(np.flatnonzero(~np.isfinite(values))[0])
-    raise ValueError(
-      f"feature {name!r}: weight {weights.values[bad]} is not finite (as "
-      f"float32) at sample {_sample_of(ids.splits, bad)}"
-    )
-  return values
-
-
-def _gather_ids(
-  specs: list[FeatureSpec], leaves: list[Any]
-) -> tuple[np.ndarray, list[_Ragged]]:
-  """All features' ids in one flat int32/int64 array, range checked.
-
-  Returns the flat ids and, per feature, a `_Ragged` whose `values` is its
-  slice of them. The fast path concatenates every row of every feature at
-  once; anything unusual (float or mixed dtypes, malformed rows) goes
-  through the per-feature conversion, which names the offending feature.
-  """
-  pieces: list[Any] = []
-  splits: list[np.ndarray] | None = []
-  for spec, leaf in zip(specs, leaves, strict=True):
-    if isinstance(leaf, list) or (
-      isinstance(leaf, np.ndarray) and leaf.dtype == object and leaf.ndim == 1
-    ):
-      try:
-        lengths = np.fromiter(map(len, leaf), np.int64, count=len(leaf))
-      except TypeError:
-        splits = None
-        break
-      split = np.zeros(len(lengths) + 1, np.int64)
-      np.cumsum(lengths, out=split[1:])
-      pieces.extend(leaf)
-    else:
-      ids = _to_ragged(spec.name, leaf, "ids")
-      split = ids.splits
-      pieces.append(ids.values)
-    splits.append(split)
-  values = None
-  if splits is not None and pieces:
-    try:
-      values = np.concatenate(pieces)
-    except (ValueError, TypeError):
-      values = None
-  if (
-    values is None
-    or values.ndim != 1
-    or values.dtype.kind not in "iu"
-    or len(values) != sum(int(s[-1]) for s in splits)
-  ):
-    # Slow path: convert feature by feature (raises naming the feature).
-    ragged = [
-      _to_ragged(s.name, x, "ids") for s, x in zip(specs, leaves, strict=True)
-    ]
-    for spec, ids in zip(specs, ragged, strict=True):
-      _check_ids(spec.name, ids, spec.table_spec.vocabulary_size)
-    parts = [r.values.astype(np.int64, copy=False) for r in ragged]
-    values = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    splits = [r.splits for r in ragged]
-  ragged = []
-  start = 0
-  for split in splits:
-    end = start + int(split[-1])
-    ragged.append(_Ragged(values[start:end], split))
-    start = end
-  for spec, ids in zip(specs, ragged, strict=True):
-    _check_ids(spec.name, ids, spec.table_spec.vocabulary_size)
-  if values.dtype not in (np.int32, np.int64):
-    values = values.astype(np.int64)
-  return values, ragged
 
 
 # ---------------------------------------------------------------------------
@@ -664,23 +322,21 @@ def preprocess_for_plan(
 
   Returns:
     The buffers and stats, as `preprocess_sparse_dense_matmul_input`.
+
+  Raises:
+    ValueError: As `preprocess_sparse_dense_matmul_input`.
   """
-  global_device_count = plan.num_devices
-  num_sc_per_device = plan.num_sc_per_device
-  _check_topology(local_device_count, global_device_count, num_sc_per_device)
-  num_local, num_sc = int(local_device_count), int(num_sc_per_device)
-  specs, treedef = list(plan.feature_specs), plan.treedef
-  feature_leaves = _leaves_like(treedef, features, "features")
+  _check_topology(local_device_count, plan.num_devices, plan.num_sc_per_device)
+  names = [spec.name for spec in plan.feature_specs]
+  ids = ragged_input.leaves_like(plan.treedef, features, "features")
   if features_weights is None:
-    weight_leaves = [None] * len(specs)
+    weights = [None] * len(names)
   else:
-    weight_leaves = _leaves_like(treedef, features_weights, "features_weights")
-  leaf_of = {spec.name: i for i, spec in enumerate(specs)}
-  groups = list(_group_by_stack(specs).values())
-  plan = _Plan.build(
-    groups, num_local, global_device_count, num_sc, bool(allow_id_dropping)
-  )
-  out = plan.allocate()
+    weights = ragged_input.leaves_like(
+      plan.treedef, features_weights, "features_weights"
+    )
+  call = _Call.allocate(plan, int(local_device_count), bool(allow_id_dropping))
+  leaves = dict(zip(names, zip(ids, weights, strict=True), strict=True))
 
   # Convert, validate and launch the kernel chunk by chunk of stacks: the
   # kernel (which releases the GIL) runs on one chunk while Python converts
@@ -688,22 +344,19 @@ def preprocess_for_plan(
   with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
     launched = []
     try:
-      for t0, t1 in _chunks(len(groups)):
-        chunk = [f for group in groups[t0:t1] for f in group]
-        leaves = [feature_leaves[leaf_of[f.name]] for f in chunk]
-        weights = [weight_leaves[leaf_of[f.name]] for f in chunk]
-        args = plan.kernel_args(t0, t1, chunk, leaves, weights, out)
+      for t0, t1 in _chunks(len(plan.stacks)):
+        args = _kernel_args(call, t0, t1, leaves)
         launched.append(pool.submit(_run_kernel, args))
     finally:
       concurrent.futures.wait(launched)
     for future in launched:
       future.result()
-  return plan.results(out, has_leading_dimension)
+  return _results(call, has_leading_dimension)
 
 
 def _run_kernel(args: tuple[Any, ...]) -> None:
   with _KERNEL_LOCK:
-    _kernels.fill_buffers(*args)
+    _fill_numba.fill_buffers(*args)
 
 
 def _chunks(num_stacks: int) -> list[tuple[int, int]]:
@@ -712,283 +365,104 @@ def _chunks(num_stacks: int) -> list[tuple[int, int]]:
   return [(t, min(t + size, num_stacks)) for t in range(0, num_stacks, size)]
 
 
-@dataclasses.dataclass
-class _Plan:
-  """Per-stack sizes and limits, and the kernel's view of each chunk."""
+# ---------------------------------------------------------------------------
+# The kernel's arguments.
 
-  groups: list[list[FeatureSpec]]
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """One call's plan and options, and every output array.
+
+  Each stack's buffers are the slices `[offset[t], offset[t + 1])` of the
+  flat output arrays; the per-item stats hold `T * L * S` rows.
+  """
+
+  plan: plan_lib.Plan
   num_local: int
-  num_sc: int
-  num_shards: int
-  global_device_count: int
-  coo_sizes: dict[str, int]
-  combiner: np.ndarray
-  max_ids: np.ndarray
-  max_unique: np.ndarray
-  shard_rows: np.ndarray
-  key_bits: np.ndarray
-  coo_offset: np.ndarray
-  rp_offset: np.ndarray
   allow_id_dropping: bool
+  coo_offset: np.ndarray
+  row_pointer_offset: np.ndarray
+  out: _fill_numba.Outputs
 
   @classmethod
-  def build(
-    cls,
-    groups: list[list[FeatureSpec]],
-    num_local: int,
-    global_device_count: int,
-    num_sc: int,
-    allow_id_dropping: bool,
-  ) -> _Plan:
-    n = global_device_count * num_sc
-    stacked = [g[0].table_spec.stacked_table_spec for g in groups]
-    for group, spec in zip(groups, stacked, strict=True):
-      _check_stack(group, spec, n, global_device_count, num_sc)
-    coo_sizes = {
-      s.stack_name: _coo_size(s, global_device_count, num_sc) for s in stacked
-    }
-    coo_dev = np.array(list(coo_sizes.values()), np.int64)
-    coo_offset = np.zeros(len(groups) + 1, np.int64)
-    np.cumsum(coo_dev * num_local, out=coo_offset[1:])
-    rp_dev = max(n, ALIGNMENT) * num_sc
-    return cls(
-      groups=groups,
-      num_local=num_local,
-      num_sc=num_sc,
-      num_shards=n,
-      global_device_count=global_device_count,
-      coo_sizes=coo_sizes,
-      combiner=np.array([_COMBINER_CODES[s.combiner] for s in stacked]),
-      max_ids=np.array([s.max_ids_per_partition for s in stacked]),
-      max_unique=np.array([s.max_unique_ids_per_partition for s in stacked]),
-      shard_rows=np.array([s.stack_vocab_size // n for s in stacked]),
-      key_bits=np.array(
-        [int(s.stack_vocab_size - 1).bit_length() for s in stacked]
-      ),
-      coo_offset=coo_offset,
-      rp_offset=np.arange(len(groups) + 1) * (rp_dev * num_local),
-      allow_id_dropping=allow_id_dropping,
+  def allocate(
+    cls, plan: plan_lib.Plan, num_local: int, allow_id_dropping: bool
+  ) -> _Call:
+    coo_offset = ragged_input.splits_from_lengths(
+      [s.coo_per_device * num_local for s in plan.stacks]
     )
+    rp_dev = compute_row_pointers_size_per_device(
+      plan.num_devices, plan.num_sc_per_device
+    )
+    rp_offset = np.arange(len(plan.stacks) + 1, dtype=np.int64) * (
+      rp_dev * num_local
+    )
+    items = len(plan.stacks) * num_local * plan.num_sc_per_device
+    coo = int(coo_offset[-1])
+    out = _fill_numba.Outputs(
+      row_pointers=np.empty(int(rp_offset[-1]), np.int32),
+      embedding_ids=np.empty(coo, np.int32),
+      sample_ids=np.empty(coo, np.int32),
+      gains=np.empty(coo, np.float32),
+      obs_ids=np.empty((items, plan.num_shards), np.int32),
+      obs_unique=np.empty((items, plan.num_shards), np.int32),
+      required=np.empty(items, np.int32),
+      dropped=np.empty(items, np.int64),
+      overflowed=np.empty(items, np.int64),
+    )
+    return cls(plan, num_local, allow_id_dropping, coo_offset, rp_offset, out)
 
   @property
   def items_per_stack(self) -> int:
-    return self.num_local * self.num_sc
-
-  def allocate(self) -> dict[str, np.ndarray]:
-    """Every output array; each stack's buffers are slices of these."""
-    items = len(self.groups) * self.items_per_stack
-    coo = int(self.coo_offset[-1])
-    return {
-      "rp": np.empty(int(self.rp_offset[-1]), np.int32),
-      "ids": np.empty(coo, np.int32),
-      "sids": np.empty(coo, np.int32),
-      "gains": np.empty(coo, np.float32),
-      "obs_ids": np.empty((items, self.num_shards), np.int32),
-      "obs_unique": np.empty((items, self.num_shards), np.int32),
-      "required": np.empty(items, np.int32),
-      "dropped": np.empty(items, np.int64),
-      "overflowed": np.empty(items, np.int64),
-    }
-
-  def kernel_args(
-    self,
-    t0: int,
-    t1: int,
-    chunk: list[FeatureSpec],
-    leaves: list[Any],
-    weight_leaves: list[Any],
-    out: dict[str, np.ndarray],
-  ) -> tuple[Any, ...]:
-    """Converts and validates stacks `[t0, t1)`; the kernel's arguments."""
-    n, num_sc_local = self.num_shards, self.items_per_stack
-    values, ragged = _gather_ids(chunk, leaves)
-    weights = [
-      None
-      if leaf is None
-      else _check_weights(
-        spec.name, _to_ragged(spec.name, leaf, "weights"), ids
-      )
-      for spec, ids, leaf in zip(chunk, ragged, weight_leaves, strict=True)
-    ]
-    rows_per_sc = np.array(
-      [
-        _rows_per_sc(spec, ids.num_rows, self.num_local, self.num_sc, n)
-        for spec, ids in zip(chunk, ragged, strict=True)
-      ],
-      np.int64,
-    )
-    weighted = np.array([w is not None for w in weights])
-    flat_weights = np.empty(len(values) if weighted.any() else 0, np.float32)
-    row_splits = np.empty(sum(r.num_rows for r in ragged) + 1, np.int64)
-    row_base = np.zeros(len(chunk), np.int64)
-    value_pos = row_pos = 0
-    for i, r in enumerate(ragged):
-      size = len(r.values)
-      if weights[i] is not None:
-        flat_weights[value_pos : value_pos + size] = weights[i]
-      row_splits[row_pos : row_pos + r.num_rows] = r.splits[:-1] + value_pos
-      row_base[i] = row_pos
-      value_pos += size
-      row_pos += r.num_rows
-    row_splits[row_pos] = value_pos
-
-    transforms = [f.id_transformation for f in chunk]
-    groups = self.groups[t0:t1]
-    feature_ptr = np.zeros(len(groups) + 1, np.int64)
-    np.cumsum([len(g) for g in groups], out=feature_ptr[1:])
-    item_size = np.zeros((len(groups), num_sc_local), np.int64)
-    stack_weighted = np.zeros(len(groups), np.bool_)
-    samples_per_sc = np.zeros(len(groups), np.int64)
-    for t in range(len(groups)):
-      for i in range(feature_ptr[t], feature_ptr[t + 1]):
-        item_size[t] += np.diff(ragged[i].splits[:: rows_per_sc[i]])
-        stack_weighted[t] |= weighted[i]
-        samples_per_sc[t] += rows_per_sc[i]
-    if item_size.max(initial=0) >= 2**31:
-      raise ValueError("more than 2**31 ids on one SparseCore")
-    items = slice(t0 * num_sc_local, t1 * num_sc_local)
-    return (
-      values,
-      flat_weights,
-      row_splits,
-      row_base,
-      rows_per_sc,
-      np.array([t.row_offset // n for t in transforms], np.int64),
-      np.array([t.col_offset // n for t in transforms], np.int64),
-      np.array([t.col_shift % n for t in transforms], np.int64),
-      weighted,
-      feature_ptr,
-      np.arange(len(chunk), dtype=np.int64),
-      self.combiner[t0:t1],
-      self.max_ids[t0:t1],
-      self.max_unique[t0:t1],
-      self.shard_rows[t0:t1],
-      self.key_bits[t0:t1],
-      np.array(list(self.coo_sizes.values())[t0:t1]) // self.num_sc,
-      self.coo_offset[t0:t1],
-      self.rp_offset[t0:t1],
-      stack_weighted,
-      samples_per_sc,
-      item_size.reshape(-1),
-      self.num_local,
-      self.num_sc,
-      n,
-      n.bit_length() - 1,
-      max(n, ALIGNMENT),
-      self.allow_id_dropping,
-      out["rp"],
-      out["ids"],
-      out["sids"],
-      out["gains"],
-      out["obs_ids"][items],
-      out["obs_unique"][items],
-      out["required"][items],
-      out["dropped"][items],
-      out["overflowed"][items],
-    )
-
-  def results(
-    self,
-    out: dict[str, np.ndarray],
-    has_leading_dimension: bool,
-  ) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
-    """Checks the limits and wraps the outputs per stack."""
-    num_stacks, n = len(self.groups), self.num_shards
-    shape = (num_stacks, self.num_local, self.num_sc, n)
-    obs_ids = out["obs_ids"].reshape(shape)
-    obs_unique = out["obs_unique"].reshape(shape)
-    required = out["required"].reshape(num_stacks, -1)
-    dropped = out["dropped"].reshape(num_stacks, -1).sum(axis=1)
-    overflowed = out["overflowed"].reshape(num_stacks, -1).sum(axis=1)
-    names = list(self.coo_sizes)
-    for t, name in enumerate(names):
-      _check_limits(
-        name,
-        self.groups[t],
-        obs_ids[t],
-        obs_unique[t],
-        int(self.max_ids[t]),
-        int(self.max_unique[t]),
-        self.allow_id_dropping,
-      )
-      if overflowed[t]:
-        warnings.warn(
-          f"stack {name!r}: the COO buffer of {self.coo_sizes[name]} entries "
-          f"per device overflowed; {int(overflowed[t])} ids were dropped "
-          f"(the batch needs {int(required[t].max()) * self.num_sc}; raise "
-          "suggested_coo_buffer_size_per_device)",
-          stacklevel=3,
-        )
-
-    def per_stack(key: str, offsets: np.ndarray) -> dict[str, np.ndarray]:
-      flat = out[key]
-      blocks = {}
-      for t, name in enumerate(names):
-        block = flat[offsets[t] : offsets[t + 1]]
-        if has_leading_dimension:
-          block = block.reshape(self.num_local, -1)
-        blocks[name] = block
-      return blocks
-
-    buffers = PreprocessedInput(
-      lhs_row_pointers=per_stack("rp", self.rp_offset),
-      lhs_embedding_ids=per_stack("ids", self.coo_offset),
-      lhs_sample_ids=per_stack("sids", self.coo_offset),
-      lhs_gains=per_stack("gains", self.coo_offset),
-    )
-    stats = SparseDenseMatmulInputStats(
-      max_ids_per_partition={
-        name: obs_ids[t].max(axis=1).reshape(-1) for t, name in enumerate(names)
-      },
-      max_unique_ids_per_partition={
-        name: obs_unique[t].max(axis=1).reshape(-1)
-        for t, name in enumerate(names)
-      },
-      required_buffer_size_per_sc={
-        name: required[t].copy() for t, name in enumerate(names)
-      },
-      id_drop_counters={name: int(dropped[t]) for t, name in enumerate(names)},
-    )
-    return buffers, stats
+    return self.num_local * self.plan.num_sc_per_device
 
 
-def _check_stack(
-  group: list[FeatureSpec],
-  stacked: StackedTableSpec,
-  n: int,
-  global_device_count: int,
-  num_sc: int,
-) -> None:
-  """Checks that a stack was prepared for `n` shards and is self-consistent."""
-  name = stacked.stack_name
-  if stacked.stack_vocab_size % n:
-    raise ValueError(
-      f"stack {name!r}: stack_vocab_size {stacked.stack_vocab_size} does not"
-      f" split over {n} shards; were the specs prepared for "
-      f"{global_device_count} devices x {num_sc} SparseCores?"
-    )
-  if stacked.stack_vocab_size // n > _INT32_MAX:
-    raise ValueError(f"stack {name!r}: too many rows per shard")
-  for spec in group:
-    padded = spec.table_spec.setting_in_stack.padded_vocab_size
-    if padded % (ALIGNMENT * n):
-      raise ValueError(
-        f"feature {spec.name!r}: table {spec.table_spec.name!r} was prepared "
-        f"for another topology: its padded vocabulary {padded} does not "
-        f"split over {n} shards (of a multiple of {ALIGNMENT} rows)"
-      )
-  samples = sum(f.sample_count for f in group)
-  if stacked.total_sample_count != samples:
-    raise ValueError(
-      f"stack {name!r}: total_sample_count {stacked.total_sample_count} is "
-      f"not the sum {samples} of its features' sample counts"
-    )
+def _kernel_args(
+  call: _Call, t0: int, t1: int, leaves: dict[str, tuple[Any, Any]]
+) -> tuple[Any, ...]:
+  """Converts and validates stacks `[t0, t1)`; the kernel's arguments."""
+  stacks = call.plan.stacks[t0:t1]
+  features = [f for stack in stacks for f in stack.features]
+  batch = ragged_input.read_batch(
+    features,
+    [leaves[f.name][0] for f in features],
+    [leaves[f.name][1] for f in features],
+  )
+  rows_per_sc = np.array(
+    [
+      _rows_per_sc(f, int(rows), call)
+      for f, rows in zip(features, batch.num_rows, strict=True)
+    ],
+    np.int64,
+  )
+  first_feature = ragged_input.splits_from_lengths(
+    [len(s.features) for s in stacks]
+  )
+  items = slice(t0 * call.items_per_stack, t1 * call.items_per_stack)
+  return (
+    _fill_numba.Batch(
+      values=batch.values,
+      weights=batch.weights,
+      row_splits=batch.row_splits,
+      item_size=_item_sizes(batch, rows_per_sc, first_feature, call),
+    ),
+    _feature_arrays(features, batch, rows_per_sc),
+    _stack_arrays(call, t0, t1, first_feature, batch.weighted),
+    _scalars(call),
+    call.out._replace(
+      obs_ids=call.out.obs_ids[items],
+      obs_unique=call.out.obs_unique[items],
+      required=call.out.required[items],
+      dropped=call.out.dropped[items],
+      overflowed=call.out.overflowed[items],
+    ),
+  )
 
 
-def _rows_per_sc(
-  spec: FeatureSpec, batch: int, num_local: int, num_sc: int, n: int
-) -> int:
-  """Rows of `spec`'s local batch per SparseCore, validated."""
+def _rows_per_sc(feature: plan_lib.FeaturePlan, batch: int, call: _Call) -> int:
+  """Rows of `feature`'s local batch per SparseCore, validated."""
+  spec, num_local = feature.spec, call.num_local
+  num_sc = call.plan.num_sc_per_device
   if batch == 0:
     raise ValueError(f"feature {spec.name!r}: empty batch")
   if batch % (num_local * num_sc):
@@ -996,7 +470,7 @@ def _rows_per_sc(
       f"feature {spec.name!r}: batch of {batch} rows does not divide over"
       f" {num_local} local devices x {num_sc} SparseCores"
     )
-  rows = batch // (num_local * num_sc)
+  rows, n = batch // (num_local * num_sc), call.plan.num_shards
   if rows * n != spec.sample_count:
     raise ValueError(
       f"feature {spec.name!r}: {batch} local rows give {rows} samples per "
@@ -1006,13 +480,146 @@ def _rows_per_sc(
   return rows
 
 
+def _item_sizes(
+  batch: ragged_input.FlatBatch,
+  rows_per_sc: np.ndarray,
+  first_feature: np.ndarray,
+  call: _Call,
+) -> np.ndarray:
+  """The ids of every work item (stack, local device, SparseCore)."""
+  sizes = np.zeros((len(first_feature) - 1, call.items_per_stack), np.int64)
+  for t in range(len(sizes)):
+    for f in range(first_feature[t], first_feature[t + 1]):
+      r0 = batch.first_row[f]
+      splits = batch.row_splits[r0 : r0 + batch.num_rows[f] + 1]
+      sizes[t] += np.diff(splits[:: rows_per_sc[f]])
+  if sizes.max(initial=0) >= 2**31:
+    raise ValueError("more than 2**31 ids on one SparseCore")
+  return sizes.reshape(-1)
+
+
+def _int_array(items: Any, value: Callable[[Any], int]) -> np.ndarray:
+  return np.array([value(item) for item in items], np.int64)
+
+
+def _feature_arrays(
+  features: list[plan_lib.FeaturePlan],
+  batch: ragged_input.FlatBatch,
+  rows_per_sc: np.ndarray,
+) -> _fill_numba.Features:
+  return _fill_numba.Features(
+    first_row=batch.first_row,
+    rows_per_sc=rows_per_sc,
+    sample_offset=_int_array(features, lambda f: f.sample_offset),
+    row_offset_in_shard=_int_array(features, lambda f: f.row_offset_in_shard),
+    shard_rotation=_int_array(features, lambda f: f.shard_rotation),
+    weighted=batch.weighted,
+  )
+
+
+def _stack_arrays(
+  call: _Call,
+  t0: int,
+  t1: int,
+  first_feature: np.ndarray,
+  feature_weighted: np.ndarray,
+) -> _fill_numba.Stacks:
+  stacks = call.plan.stacks[t0:t1]
+  return _fill_numba.Stacks(
+    first_feature=first_feature,
+    combiner=_int_array(stacks, lambda s: _COMBINER_CODES[s.spec.combiner]),
+    max_ids=_int_array(stacks, lambda s: s.spec.max_ids_per_partition),
+    max_unique=_int_array(
+      stacks, lambda s: s.spec.max_unique_ids_per_partition
+    ),
+    rows_per_shard=_int_array(stacks, lambda s: s.rows_per_shard),
+    key_bits=_int_array(
+      stacks, lambda s: int(s.spec.stack_vocab_size - 1).bit_length()
+    ),
+    coo_per_sc=_int_array(stacks, lambda s: s.coo_per_sc),
+    coo_offset=call.coo_offset[t0:t1],
+    row_pointer_offset=call.row_pointer_offset[t0:t1],
+    samples_per_sc=_int_array(stacks, lambda s: s.samples_per_sc),
+    weighted=np.logical_or.reduceat(feature_weighted, first_feature[:-1]),
+  )
+
+
+def _scalars(call: _Call) -> _fill_numba.Scalars:
+  n = call.plan.num_shards
+  return _fill_numba.Scalars(
+    num_local_devices=call.num_local,
+    num_sc=call.plan.num_sc_per_device,
+    num_shards=n,
+    log2_shards=n.bit_length() - 1,
+    row_pointers_per_sc=buffer_format.row_pointers_per_sc(n),
+    allow_id_dropping=call.allow_id_dropping,
+  )
+
+
+# ---------------------------------------------------------------------------
+# Limits and results.
+
+
+def _results(
+  call: _Call, has_leading_dimension: bool
+) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
+  """Checks the limits and wraps the outputs per stack."""
+  plan, out = call.plan, call.out
+  num_stacks = len(plan.stacks)
+  shape = (num_stacks, call.num_local, plan.num_sc_per_device, plan.num_shards)
+  obs_ids = out.obs_ids.reshape(shape)
+  obs_unique = out.obs_unique.reshape(shape)
+  required = out.required.reshape(num_stacks, -1)
+  dropped = out.dropped.reshape(num_stacks, -1).sum(axis=1)
+  overflowed = out.overflowed.reshape(num_stacks, -1).sum(axis=1)
+  for t, stack in enumerate(plan.stacks):
+    _check_limits(stack, obs_ids[t], obs_unique[t], call.allow_id_dropping)
+    if overflowed[t]:
+      warnings.warn(
+        f"stack {stack.name!r}: the COO buffer of {stack.coo_per_device} "
+        f"entries per device overflowed; {int(overflowed[t])} ids were "
+        f"dropped (the batch needs "
+        f"{int(required[t].max()) * plan.num_sc_per_device}; raise "
+        "suggested_coo_buffer_size_per_device)",
+        stacklevel=3,
+      )
+
+  def per_stack(flat: np.ndarray, offsets: np.ndarray) -> dict[str, Any]:
+    blocks = {}
+    for t, stack in enumerate(plan.stacks):
+      block = flat[offsets[t] : offsets[t + 1]]
+      if has_leading_dimension:
+        block = block.reshape(call.num_local, -1)
+      blocks[stack.name] = block
+    return blocks
+
+  names = [stack.name for stack in plan.stacks]
+  buffers = PreprocessedInput(
+    lhs_row_pointers=per_stack(out.row_pointers, call.row_pointer_offset),
+    lhs_embedding_ids=per_stack(out.embedding_ids, call.coo_offset),
+    lhs_sample_ids=per_stack(out.sample_ids, call.coo_offset),
+    lhs_gains=per_stack(out.gains, call.coo_offset),
+  )
+  stats = SparseDenseMatmulInputStats(
+    max_ids_per_partition={
+      name: obs_ids[t].max(axis=1).reshape(-1) for t, name in enumerate(names)
+    },
+    max_unique_ids_per_partition={
+      name: obs_unique[t].max(axis=1).reshape(-1)
+      for t, name in enumerate(names)
+    },
+    required_buffer_size_per_sc={
+      name: required[t].copy() for t, name in enumerate(names)
+    },
+    id_drop_counters={name: int(dropped[t]) for t, name in enumerate(names)},
+  )
+  return buffers, stats
+
+
 def _check_limits(
-  name: str,
-  group: list[FeatureSpec],
+  stack: plan_lib.StackPlan,
   obs_ids: np.ndarray,
   obs_unique: np.ndarray,
-  max_ids: int,
-  max_unique: int,
   allow_id_dropping: bool,
 ) -> None:
   """Raises (or warns, when dropping) if a stack's counts exceed its limits.
@@ -1021,15 +628,19 @@ def _check_limits(
   and partition.
   """
   for counts, limit, field in (
-    (obs_ids, max_ids, "max_ids_per_partition"),
-    (obs_unique, max_unique, "max_unique_ids_per_partition"),
+    (obs_ids, stack.spec.max_ids_per_partition, "max_ids_per_partition"),
+    (
+      obs_unique,
+      stack.spec.max_unique_ids_per_partition,
+      "max_unique_ids_per_partition",
+    ),
   ):
     if counts.max(initial=0) <= limit:
       continue
     d, s, p = np.unravel_index(int(np.argmax(counts)), counts.shape)
     message = (
-      f"stack {name!r} (features {[f.name for f in group]}): local device "
-      f"{d}, SparseCore {s} sends {int(counts[d, s, p])} "
+      f"stack {stack.name!r} (features {[f.name for f in stack.features]}): "
+      f"local device {d}, SparseCore {s} sends {int(counts[d, s, p])} "
       f"{'ids' if counts is obs_ids else 'unique ids'} to partition {p}, over"
       f" {field}={limit}"
     )
@@ -1042,7 +653,6 @@ def _check_limits(
 
 
 __all__ = [
-  "ALIGNMENT",
   "PAD_ID",
   "PreprocessedInput",
   "SparseDenseMatmulInputStats",
@@ -1050,5 +660,6 @@ __all__ = [
   "compute_row_pointers_size_per_device",
   "compute_theoretical_max_coo_buffer_size",
   "eval_preprocess_sparse_dense_matmul_input_shape",
+  "preprocess_for_plan",
   "preprocess_sparse_dense_matmul_input",
 ]
