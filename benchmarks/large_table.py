@@ -44,6 +44,7 @@ def main() -> None:
   from penzai import pz
 
   import pz_sparsecore as pzsc
+  from pz_sparsecore.nn.tables import table_arrays
 
   @pz.pytree_dataclass
   class Model(pz.nn.Layer):
@@ -83,7 +84,7 @@ def main() -> None:
   embed = pzsc.SparseCoreEmbed.from_config(
     "embed", jax.random.key(0), features, mesh, num_sc_per_device=args.sc
   )
-  jax.block_until_ready(embed.table_arrays())
+  jax.block_until_ready(table_arrays(embed))
   init_s = time.perf_counter() - start
   head = pz.nn.Linear.from_config(
     "head", jax.random.key(1), {"embedding": args.dim}, {"out": 1}

@@ -38,7 +38,7 @@ def main() -> None:
   directory = sys.argv[1]
   embed = build(jax.random.key(0))
   for k in range(10_000):
-    embed.set_logical_tables({"t": np.full((20_000, 16), float(k))})
+    pzsc.set_logical_tables(embed, {"t": np.full((20_000, 16), float(k))})
     pzsc.save_checkpoint(directory, embed)
     print(f"saved {k}", flush=True)
 

@@ -94,8 +94,8 @@ def main() -> None:
   }
   np.savez(os.path.join(out_dir, f"stats_{process_id}.npz"), **local_max)
   pzsc.save_checkpoint(os.path.join(out_dir, "ckpt"), trainer.model)
-  tables = trainer.model.embed.logical_tables()
-  slots = trainer.model.embed.logical_slots()
+  tables = pzsc.logical_tables(trainer.model.embed)
+  slots = pzsc.logical_slots(trainer.model.embed)
   if process_id == 0:
     np.savez(
       os.path.join(out_dir, "result.npz"),

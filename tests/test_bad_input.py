@@ -44,9 +44,9 @@ def embed():
 
 def _snapshot(embed):
   return (
-    embed.logical_tables(),
-    embed.logical_slots(),
-    embed.config.feature_specs,
+    pzsc.logical_tables(embed),
+    pzsc.logical_slots(embed),
+    embed.config.plan.feature_specs,
   )
 
 
@@ -152,13 +152,13 @@ def test_limits_exceeded_with_dropping_is_allowed(embed):
 
 
 def test_oversized_suggested_buffer(embed):
-  stack = embed.config.stacks["words"]
+  stack = embed.config.plan.stack("words").spec
   too_big = stack.replace(suggested_coo_buffer_size_per_device=10**6)
   specs = jax.tree.map(
     lambda f: f.replace(
       table_spec=f.table_spec.replace(stacked_table_spec=too_big)
     ),
-    embed.config.specs_tree,
+    embed.config.plan.specs_tree,
   )
   before = _snapshot(embed)
   with pytest.raises(ValueError, match=r"words"):
@@ -206,9 +206,9 @@ def test_not_preprocessed_input(embed):
 def test_bad_logical_tables_write_nothing(embed):
   before = _snapshot(embed)
   with pytest.raises(ValueError, match=r"unknown table"):
-    embed.set_logical_tables({"nope": np.zeros((VOCAB, DIM))})
+    pzsc.set_logical_tables(embed, {"nope": np.zeros((VOCAB, DIM))})
   with pytest.raises(ValueError, match=r"words.*shape"):
-    embed.set_logical_tables({"words": np.zeros((VOCAB + 1, DIM))})
+    pzsc.set_logical_tables(embed, {"words": np.zeros((VOCAB + 1, DIM))})
   with pytest.raises(ValueError, match=r"words.*finite"):
-    embed.set_logical_tables({"words": np.full((VOCAB, DIM), np.nan)})
+    pzsc.set_logical_tables(embed, {"words": np.full((VOCAB, DIM), np.nan)})
   _assert_unchanged(embed, before)

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import Mesh
 from penzai import pz
 
+import pz_sparsecore as pzsc
 from pz_sparsecore import specs
 from pz_sparsecore.models import shakespeare
 from pz_sparsecore.nn.checkpoint import restore_checkpoint, save_checkpoint
@@ -95,10 +96,13 @@ def test_restore_onto_other_topologies(trained, g, s, rng):
     rtol=1e-5,
     atol=1e-6,
   )
-  want, got = model.embed.logical_tables(), restored.embed.logical_tables()
+  want, got = (
+    pzsc.logical_tables(model.embed),
+    pzsc.logical_tables(restored.embed),
+  )
   np.testing.assert_array_equal(got["words"], want["words"])
-  want_slots = model.embed.logical_slots()["words"]
-  got_slots = restored.embed.logical_slots()["words"]
+  want_slots = pzsc.logical_slots(model.embed)["words"]
+  got_slots = pzsc.logical_slots(restored.embed)["words"]
   assert set(got_slots) == {"momentum", "velocity"}
   for slot, value in want_slots.items():
     np.testing.assert_array_equal(got_slots[slot], value)
@@ -114,11 +118,11 @@ def test_restore_onto_other_topologies(trained, g, s, rng):
 def test_failed_save_keeps_previous_checkpoint(trained, tmp_path, monkeypatch):
   model, _ = trained
   first = save_checkpoint(tmp_path, model)
-  expected = model.embed.logical_tables()["words"]
+  expected = pzsc.logical_tables(model.embed)["words"]
   # Change the model, then fail half-way through the next save.
   changed = build(8, 1, jax.random.key(0))
   restore_checkpoint(tmp_path, changed)
-  changed.embed.set_logical_tables({"words": np.zeros_like(expected)})
+  pzsc.set_logical_tables(changed.embed, {"words": np.zeros_like(expected)})
 
   def boom(*args, **kwargs):
     raise OSError("disk full")
@@ -132,13 +136,15 @@ def test_failed_save_keeps_previous_checkpoint(trained, tmp_path, monkeypatch):
   assert entries == ["LATEST", os.path.basename(first)]
   restored = restore_checkpoint(tmp_path, build(1, 1, None))
   np.testing.assert_array_equal(
-    restored.embed.logical_tables()["words"], expected
+    pzsc.logical_tables(restored.embed)["words"], expected
   )
   # A later successful save replaces it and cleans up the old one.
   second = save_checkpoint(tmp_path, changed)
   assert sorted(os.listdir(tmp_path)) == ["LATEST", os.path.basename(second)]
   restored = restore_checkpoint(tmp_path, build(1, 1, None))
-  np.testing.assert_array_equal(restored.embed.logical_tables()["words"], 0.0)
+  np.testing.assert_array_equal(
+    pzsc.logical_tables(restored.embed)["words"], 0.0
+  )
 
 
 def test_restore_from_empty_directory(tmp_path):

@@ -38,7 +38,7 @@ def test_killed_writer_leaves_a_restorable_checkpoint(tmp_path, seed):
   saved = [0] + [int(line.split()[1]) for line in rest.splitlines()]
   embed = checkpoint_writer.build(None)
   embed = pzsc.restore_checkpoint(tmp_path, embed)
-  values = np.unique(embed.logical_tables()["t"])
+  values = np.unique(pzsc.logical_tables(embed)["t"])
   assert len(values) == 1
   # The newest complete save, or the one in flight if its rename landed.
   assert saved[-1] <= values[0] <= saved[-1] + 1

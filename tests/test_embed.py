@@ -11,8 +11,10 @@ import pytest
 from jax.sharding import Mesh
 from penzai import pz
 
+import pz_sparsecore as pzsc
 from pz_sparsecore import specs
 from pz_sparsecore.nn.embed import ROW_AXIS, SHARD_AXIS, SparseCoreEmbed
+from pz_sparsecore.nn.tables import table_arrays
 from pz_sparsecore.preprocess import PreprocessedInput
 
 BATCH = 8
@@ -56,15 +58,15 @@ def mesh():
 @pytest.fixture(scope="module")
 def _shared(mesh):
   embed = SparseCoreEmbed.from_config("emb", jax.random.key(0), _specs(), mesh)
-  return embed, embed.logical_tables(), embed.logical_slots()
+  return embed, pzsc.logical_tables(embed), pzsc.logical_slots(embed)
 
 
 @pytest.fixture()
 def embed(_shared):
   """The module's layer (built once), reset to its initial values."""
   embed, tables, slots = _shared
-  embed.set_logical_tables(tables)
-  embed.set_logical_slots(slots)
+  pzsc.set_logical_tables(embed, tables)
+  pzsc.set_logical_slots(embed, slots)
   return embed
 
 
@@ -98,15 +100,15 @@ def test_variables_labels_and_layout(embed):
 
 def test_logical_tables_round_trip_subset(embed):
   rng = np.random.RandomState(1)
-  before = embed.logical_tables()
+  before = pzsc.logical_tables(embed)
   assert before["ta"].shape == (50, 8) and before["tb"].shape == (30, 4)
   new_a = rng.normal(size=(50, 8)).astype(np.float32)
-  embed.set_logical_tables({"ta": new_a})
-  after = embed.logical_tables()
+  pzsc.set_logical_tables(embed, {"ta": new_a})
+  after = pzsc.logical_tables(embed)
   np.testing.assert_array_equal(after["ta"], new_a)
   np.testing.assert_array_equal(after["tb"], before["tb"])
   # The written rows are where MOD sharding puts them: id i on shard i % 2.
-  table = np.asarray(embed.table_arrays()["ta"])
+  table = np.asarray(table_arrays(embed)["ta"])
   np.testing.assert_array_equal(table[1, 3], new_a[7])
   np.testing.assert_array_equal(table[0, 24], new_a[48])
 
@@ -121,22 +123,22 @@ def test_logical_tables_round_trip_subset(embed):
   ],
 )
 def test_set_logical_tables_rejects_and_writes_nothing(embed, values, match):
-  before = embed.logical_tables()
+  before = pzsc.logical_tables(embed)
   with pytest.raises(ValueError, match=match):
-    embed.set_logical_tables(values)
-  after = embed.logical_tables()
+    pzsc.set_logical_tables(embed, values)
+  after = pzsc.logical_tables(embed)
   for name in before:
     np.testing.assert_array_equal(after[name], before[name])
 
 
 def test_logical_slots_round_trip(embed):
-  slots = embed.logical_slots()
+  slots = pzsc.logical_slots(embed)
   assert set(slots) == {"ta", "tb"}
   assert set(slots["tb"]) == {"accumulator", "linear"}
   np.testing.assert_array_equal(slots["ta"]["accumulator"], np.float32(0.1))
   new = np.arange(30 * 4, dtype=np.float32).reshape(30, 4)
-  embed.set_logical_slots({"tb": {"linear": new}})
-  after = embed.logical_slots()
+  pzsc.set_logical_slots(embed, {"tb": {"linear": new}})
+  after = pzsc.logical_slots(embed)
   np.testing.assert_array_equal(after["tb"]["linear"], new)
   np.testing.assert_array_equal(
     after["tb"]["accumulator"], slots["tb"]["accumulator"]
@@ -159,24 +161,24 @@ def test_logical_slots_round_trip(embed):
   ],
 )
 def test_set_logical_slots_rejects_and_writes_nothing(embed, values):
-  before = embed.logical_slots()
+  before = pzsc.logical_slots(embed)
   with pytest.raises(ValueError):
-    embed.set_logical_slots(values)
-  after = embed.logical_slots()
+    pzsc.set_logical_slots(embed, values)
+  after = pzsc.logical_slots(embed)
   for table, slots in before.items():
     for slot, value in slots.items():
       np.testing.assert_array_equal(after[table][slot], value)
 
 
 def test_with_feature_specs_shares_variables_and_changes_limits(embed):
-  new = embed.with_feature_specs(_specs(limit=16))
+  new = pzsc.with_feature_specs(embed, _specs(limit=16))
   assert new.tables["ta"] is embed.tables["ta"]
   assert new.slots["ta"]["accumulator"] is embed.slots["ta"]["accumulator"]
-  assert new.config.stacks["ta"].max_ids_per_partition == 16
+  assert new.config.plan.stack("ta").spec.max_ids_per_partition == 16
   # A write through one is seen by the other.
   value = np.ones((50, 8), np.float32)
-  new.set_logical_tables({"ta": value})
-  np.testing.assert_array_equal(embed.logical_tables()["ta"], value)
+  pzsc.set_logical_tables(new, {"ta": value})
+  np.testing.assert_array_equal(pzsc.logical_tables(embed)["ta"], value)
   inputs, _ = new.preprocess(_batch())
   out = new(inputs)
   np.testing.assert_allclose(out["fa"].unwrap("batch", "embedding"), 2.0)
@@ -184,9 +186,9 @@ def test_with_feature_specs_shares_variables_and_changes_limits(embed):
 
 def test_with_feature_specs_rejects_layout_changes(embed):
   with pytest.raises(ValueError, match="change more than the limits"):
-    embed.with_feature_specs(_specs(vocab_a=200))
+    pzsc.with_feature_specs(embed, _specs(vocab_a=200))
   with pytest.raises(ValueError, match="structure"):
-    embed.with_feature_specs({"fa": _specs()["fa"]})
+    pzsc.with_feature_specs(embed, {"fa": _specs()["fa"]})
 
 
 def test_preprocess_rejects_wrong_structure(embed):

@@ -104,9 +104,9 @@ def test_checkpoint_from_two_processes_restores_on_one(runs):
   model = pzsc.restore_checkpoint(multi / "ckpt", model)
   expected = np.load(multi / "result.npz")
   np.testing.assert_array_equal(
-    model.embed.logical_tables()["words"], expected["table"]
+    pzsc.logical_tables(model.embed)["words"], expected["table"]
   )
   np.testing.assert_array_equal(
-    model.embed.logical_slots()["words"]["accumulator"],
+    pzsc.logical_slots(model.embed)["words"]["accumulator"],
     expected["accumulator"],
   )

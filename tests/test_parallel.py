@@ -16,8 +16,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from penzai import pz
 
+import pz_sparsecore as pzsc
 from pz_sparsecore import layout, parallel, specs
 from pz_sparsecore.nn.embed import SparseCoreEmbed
+from pz_sparsecore.nn.tables import table_arrays
 
 BATCH = 16
 SEQ = 4
@@ -197,7 +199,7 @@ def test_forward_matches_dense_reference(mesh_shape, num_sc):
   assert stack_specs["s_a"].setting_in_stack.row_offset_in_shard > 0
 
   tables = _tables(1)
-  embed.set_logical_tables(tables)
+  pzsc.set_logical_tables(embed, tables)
   ids, weights = _batch(2)
   inputs, _ = embed.preprocess(ids, weights)
   out = embed(inputs)
@@ -247,11 +249,11 @@ def test_lookup_entry_point_on_two_axis_mesh():
   )
   assert embed.config.topology.num_devices == 4
   tables = _tables(5)
-  embed.set_logical_tables(tables)
+  pzsc.set_logical_tables(embed, tables)
   ids, weights = _batch(6)
   inputs, _ = embed.preprocess(ids, weights)
   acts = parallel.lookup(
-    embed.config.plan, embed.config.topology, embed.table_arrays(), inputs
+    embed.config.plan, embed.config.topology, table_arrays(embed), inputs
   )
   expected = dense_reference(
     ids["f_sum"], weights["f_sum"], tables["t_sum"], "sum", 8
@@ -259,7 +261,7 @@ def test_lookup_entry_point_on_two_axis_mesh():
   np.testing.assert_allclose(acts["f_sum"], expected, rtol=1e-5, atol=1e-5)
   assert acts["f_seq"].shape == (BATCH * SEQ, 8)
   # Table shards live on the "model" axis: 4 distinct shards.
-  table = embed.table_arrays()["t_sum"]
+  table = table_arrays(embed)["t_sum"]
   assert table.sharding.spec[0] == "model"
 
 

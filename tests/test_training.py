@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from penzai import pz
 from penzai.toolshed import basic_training
 
+import pz_sparsecore as pzsc
 from pz_sparsecore import layout, specs
 from pz_sparsecore.nn.embed import SparseCoreEmbed
 from pz_sparsecore.nn.training import (
@@ -300,8 +301,8 @@ class Reference:
 
 def check_against(embed, ref: Reference, touched, before) -> None:
   """Referenced rows match the reference; the others are bit-identical."""
-  tables = embed.logical_tables()
-  slots = embed.logical_slots()
+  tables = pzsc.logical_tables(embed)
+  slots = pzsc.logical_slots(embed)
   for name in ref.specs:
     rows = touched[name]
     other = np.setdiff1d(np.arange(ref.tables[name].shape[0]), rows)
@@ -372,14 +373,14 @@ def build_model(g: int, s: int, tables=TABLES, seed: int = 0) -> ProbeModel:
     mesh_of(g),
     num_sc_per_device=s,
   )
-  embed.set_logical_tables(initial_tables(11, tables))
+  pzsc.set_logical_tables(embed, initial_tables(11, tables))
   return ProbeModel(
     embed=embed, w=pz.Parameter(value=jnp.asarray(W0), label="w")
   )
 
 
 def snapshot(embed):
-  return embed.logical_tables(), embed.logical_slots()
+  return pzsc.logical_tables(embed), pzsc.logical_slots(embed)
 
 
 @pytest.mark.parametrize("g,s", [(1, 1), (8, 1), (4, 2)])
@@ -591,9 +592,7 @@ def _lowered_step(g: int):
     (),
     frozen["tables"],
     frozen["slots"],
-    tanh_loss_fn,
-    trainer.optimizer_def,
-    False,
+    trainer.step_options,
     {"inputs": inputs, "grads": grads},
   )
   return lowered, lowered.compile().as_text(), vocab * dim // g

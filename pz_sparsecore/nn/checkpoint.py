@@ -32,8 +32,9 @@ import numpy as np
 from penzai import pz
 
 from pz_sparsecore import layout
-from pz_sparsecore.nn.embed import SparseCoreEmbed, _named, from_host, to_host
-from pz_sparsecore.nn.training import embeds_of
+from pz_sparsecore.nn.embed import SparseCoreEmbed, find_embeds, named_table
+from pz_sparsecore.nn.host import from_host, to_host
+from pz_sparsecore.nn.tables import logical_slots, logical_tables
 
 _LATEST = "LATEST"
 _MANIFEST = "manifest.json"
@@ -74,49 +75,46 @@ def _host_value(label: str, value: Any) -> tuple[np.ndarray, list[str] | None]:
   )
 
 
-def save_checkpoint(directory: str | os.PathLike, model: Any) -> str:
-  """Saves `model`'s variables; returns the checkpoint's path.
+def _embed_labels(model: Any) -> set[Any]:
+  """Labels of the tables and slots of every `SparseCoreEmbed` in `model`."""
+  labels = set()
+  for embed in find_embeds(model):
+    labels.update(v.label for v in embed.tables.values())
+    labels.update(
+      v.label for slots in embed.slots.values() for v in slots.values()
+    )
+  return labels
 
-  With several processes every process must call it (the tables are
-  gathered collectively) and process 0 writes; `directory` must be on a
-  file system every process can read for `restore_checkpoint`.
 
-  Args:
-    directory: Checkpoint directory (created if missing).
-    model: A Penzai model (with bound variables).
+def _embed_entry(
+  embed: SparseCoreEmbed, arrays: dict[str, np.ndarray]
+) -> dict[str, Any]:
+  """Adds a layer's logical tables and slots to `arrays`; its manifest."""
+  name = embed.config.name
+  entry = {"tables": {}}
+  for table, value in logical_tables(embed).items():
+    key = f"embed/{name}/{table}"
+    arrays[key] = value
+    entry["tables"][table] = {"value": key, "slots": {}}
+  for table, slots in logical_slots(embed).items():
+    for slot, value in slots.items():
+      key = f"embed/{name}/{table}/{slot}"
+      arrays[key] = value
+      entry["tables"][table]["slots"][slot] = key
+  return entry
 
-  Returns:
-    The path of the new checkpoint.
 
-  Raises:
-    ValueError: If a variable's value cannot be stored.
-  """
-  directory = os.fspath(directory)
-  os.makedirs(directory, exist_ok=True)
+def _contents(model: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+  """The arrays to store (on the host) and the manifest describing them."""
   arrays: dict[str, np.ndarray] = {}
   manifest: dict[str, Any] = {
     "version": _FORMAT_VERSION,
     "embeds": {},
     "variables": {},
   }
-  embed_labels = set()
-  for embed in embeds_of(model):
-    name = embed.config.name
-    entry = {"tables": {}}
-    for table, value in embed.logical_tables().items():
-      key = f"embed/{name}/{table}"
-      arrays[key] = value
-      entry["tables"][table] = {"value": key, "slots": {}}
-    for table, slots in embed.logical_slots().items():
-      for slot, value in slots.items():
-        key = f"embed/{name}/{table}/{slot}"
-        arrays[key] = value
-        entry["tables"][table]["slots"][slot] = key
-    manifest["embeds"][name] = entry
-    embed_labels.update(v.label for v in embed.tables.values())
-    embed_labels.update(
-      v.label for slots in embed.slots.values() for v in slots.values()
-    )
+  for embed in find_embeds(model):
+    manifest["embeds"][embed.config.name] = _embed_entry(embed, arrays)
+  embed_labels = _embed_labels(model)
   _, variables = pz.unbind_variables(model)
   for index, var in enumerate(variables):
     if var.label in embed_labels:
@@ -130,12 +128,16 @@ def save_checkpoint(directory: str | os.PathLike, model: Any) -> str:
       "value": key,
       "axes": names,
     }
+  return arrays, manifest
 
-  previous = _latest(directory)
-  number = int(previous.split("_")[1]) + 1 if previous else 0
-  name = f"ckpt_{number:06d}"
-  if jax.process_index() != 0:
-    return os.path.join(directory, name)
+
+def _write(
+  directory: str,
+  name: str,
+  arrays: dict[str, np.ndarray],
+  manifest: dict[str, Any],
+) -> str:
+  """Writes `directory/name` under a temporary name, then points LATEST."""
   tmp = tempfile.mkdtemp(prefix=".tmp_ckpt_", dir=directory)
   try:
     with open(os.path.join(tmp, _ARRAYS), "wb") as f:
@@ -159,6 +161,11 @@ def save_checkpoint(directory: str | os.PathLike, model: Any) -> str:
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
+  return final
+
+
+def _remove_others(directory: str, name: str) -> None:
+  """Removes every checkpoint and temporary entry but `name`."""
   for entry in os.listdir(directory):
     if entry != name and (
       entry.startswith("ckpt_") or entry.startswith(".tmp")
@@ -168,21 +175,51 @@ def save_checkpoint(directory: str | os.PathLike, model: Any) -> str:
         shutil.rmtree(path, ignore_errors=True)
       else:
         os.unlink(path)
+
+
+def save_checkpoint(directory: str | os.PathLike, model: Any) -> str:
+  """Saves `model`'s variables; returns the checkpoint's path.
+
+  With several processes every process must call it (the tables are
+  gathered collectively) and process 0 writes; `directory` must be on a
+  file system every process can read for `restore_checkpoint`.
+
+  Args:
+    directory: Checkpoint directory (created if missing).
+    model: A Penzai model (with bound variables).
+
+  Returns:
+    The path of the new checkpoint.
+
+  Raises:
+    ValueError: If a variable's value cannot be stored.
+  """
+  directory = os.fspath(directory)
+  os.makedirs(directory, exist_ok=True)
+  arrays, manifest = _contents(model)
+  previous = _latest(directory)
+  number = int(previous.split("_")[1]) + 1 if previous else 0
+  name = f"ckpt_{number:06d}"
+  if jax.process_index() != 0:
+    return os.path.join(directory, name)
+  final = _write(directory, name, arrays, manifest)
+  _remove_others(directory, name)
   return final
 
 
 def _stacked(
   embed: SparseCoreEmbed, logical: dict[str, np.ndarray], what: str
 ) -> dict[str, jax.Array]:
-  specs = embed.config.feature_specs
-  n = embed.config.topology.num_shards
-  missing = sorted(set(layout.get_table_specs(specs)) - set(logical))
+  plan = embed.config.plan
+  missing = sorted(set(plan.tables) - set(logical))
   if missing:
     raise ValueError(
       f"checkpoint lacks {what} of tables {missing} of SparseCoreEmbed "
       f"{embed.config.name!r}"
     )
-  stacked = layout.stack_and_shard_tables(specs, logical, n, pad_value=0.0)
+  stacked = layout.stack_and_shard_tables(
+    plan.feature_specs, logical, plan.num_shards, pad_value=0.0
+  )
   sharding = embed.config.topology.sharding(3)
   return {k: from_host(v, sharding) for k, v in stacked.items()}
 
@@ -198,13 +235,14 @@ def _restore_embed(
     var = table_vars[stack]
     if isinstance(var, pz.ParameterSlot):
       table_vars[stack] = pz.Parameter(
-        value=_named(config, value), label=config.table_label(stack)
+        value=named_table(config, value), label=config.table_label(stack)
       )
     else:
-      var.value = _named(config, value)
+      var.value = named_table(config, value)
   slot_vars = {s: dict(v) for s, v in embed.slots.items()}
-  for stack, spec in config.stacks.items():
-    for slot in spec.optimizer.slot_names():
+  for stack_plan in config.plan.stacks:
+    stack = stack_plan.name
+    for slot in stack_plan.optimizer.slot_names():
       logical = {
         t: arrays[e["slots"][slot]]
         for t, e in entry["tables"].items()
@@ -214,10 +252,10 @@ def _restore_embed(
       var = slot_vars[stack][slot]
       if isinstance(var, pz.StateVariableSlot):
         slot_vars[stack][slot] = pz.StateVariable(
-          value=_named(config, value), label=config.slot_label(stack, slot)
+          value=named_table(config, value), label=config.slot_label(stack, slot)
         )
       else:
-        var.value = _named(config, value)
+        var.value = named_table(config, value)
   return dataclasses.replace(embed, tables=table_vars, slots=slot_vars)
 
 
@@ -277,12 +315,7 @@ def restore_checkpoint(directory: str | os.PathLike, model: Any) -> Any:
     return _restore_embed(embed, entry, arrays)
 
   model = pz.select(model).at_instances_of(SparseCoreEmbed).apply(restore_embed)
-  embed_labels = set()
-  for embed in embeds_of(model):
-    embed_labels.update(v.label for v in embed.tables.values())
-    embed_labels.update(
-      v.label for slots in embed.slots.values() for v in slots.values()
-    )
+  embed_labels = _embed_labels(model)
   stored = manifest["variables"]
 
   def restore_slot(slot):

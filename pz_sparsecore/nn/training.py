@@ -5,15 +5,22 @@
 same loss-function protocol `loss_fn(*, model, state, rng, **kwargs) ->
 (loss, new_state, aux)`. What differs is how the embedding tables learn:
 
-* Every `SparseCoreEmbed` in the model gets a zero *probe* added to its
-  activations, and the step differentiates the loss with respect to the
-  dense parameters and the probes. The probe's gradient is the gradient with
+* Inside the differentiated function every `SparseCoreEmbed` of the model
+  gets an `ActivationProbe` (see `probe.py`): zero probes added to its
+  activations, and a `pz.StateVariable` recording the `PreprocessedInput` it
+  was called with. The step differentiates the loss with respect to the
+  dense parameters and the probes. The probes' gradient is the gradient with
   respect to the activations; the tables are never differentiated.
 * `optimizer_def` (optax) updates the dense parameters only.
 * Each stack's own optimizer (from its `TableSpec`) runs through the fused
   FFI update with the trainer's true step, touching only referenced rows.
 * Tables, slots, dense parameters and optimizer state are donated, so every
   update happens in place: a step costs O(batch), not O(vocabulary).
+
+The step is three parts: `_loss_and_grads` (the loss, the dense and probe
+gradients, the recorded inputs), `_updates` (optax, then the fused update of
+every layer that was called) and `_guarded` (with `check_finite`, a step
+whose loss or gradients are not finite keeps every variable as it was).
 
 The same step can be written by hand with `pz.variable_jit`::
 
@@ -40,28 +47,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from penzai import pz
 
-from pz_sparsecore.nn.embed import ROW_AXIS, SHARD_AXIS, SparseCoreEmbed
+from pz_sparsecore import parallel
+from pz_sparsecore.nn.embed import SparseCoreEmbed, find_embeds
+from pz_sparsecore.nn.probe import ActivationProbe, zero_probes
+from pz_sparsecore.nn.tables import slot_arrays, table_arrays
 
 
 class NonFiniteUpdateError(FloatingPointError):
   """A training step produced a NaN or infinity."""
-
-
-class _Tap:
-  """Collects the inputs an embed was called with during one trace."""
-
-  def __init__(self):
-    self.inputs = []
-
-  def record(self, inputs: Any) -> None:
-    self.inputs.append(inputs)
 
 
 @pz.pytree_dataclass
@@ -79,23 +79,215 @@ class SparseCoreTrainerState(pz.Struct):
   loss_fn_state: Any
 
 
-def embeds_of(model: Any) -> list[SparseCoreEmbed]:
-  """The `SparseCoreEmbed` layers of a model, in tree order."""
-  return pz.select(model).at_instances_of(SparseCoreEmbed).get_sequence()
+@dataclasses.dataclass(frozen=True)
+class _StepOptions:
+  """The step's static arguments (jit hashes them)."""
+
+  loss_fn: Callable[..., Any]
+  optimizer_def: optax.GradientTransformation
+  check_finite: bool
+
+
+class _Variables(NamedTuple):
+  """The model's frozen variables, by role in the step."""
+
+  dense: tuple[Any, ...]
+  frozen: tuple[Any, ...]
+  state: tuple[Any, ...]
+  tables: tuple[Any, ...]
+  slots: tuple[Any, ...]
+
+
+class _Gradients(NamedTuple):
+  """What one differentiated loss evaluation gives.
+
+  `probes` and `inputs` have one entry per `SparseCoreEmbed` (tree order);
+  `inputs` is None for a layer the loss did not call.
+  """
+
+  loss: jax.Array
+  dense: tuple[Any, ...]
+  probes: tuple[dict[str, jax.Array], ...]
+  inputs: tuple[Any, ...]
+  state: tuple[Any, ...]
+  loss_fn_state: Any
+  aux: Any
 
 
 def _embed_labels(model: Any) -> tuple[set[str], set[str]]:
   tables, slots = set(), set()
-  for embed in embeds_of(model):
-    for stack, spec in embed.config.stacks.items():
-      tables.add(embed.config.table_label(stack))
-      for slot in spec.optimizer.slot_names():
-        slots.add(embed.config.slot_label(stack, slot))
+  for embed in find_embeds(model):
+    config = embed.config
+    for stack in config.plan.stacks:
+      tables.add(config.table_label(stack.name))
+      for slot in stack.optimizer.slot_names():
+        slots.add(config.slot_label(stack.name, slot))
   return tables, slots
 
 
-def _positional(value: pz.nx.NamedArray, embed: SparseCoreEmbed) -> jax.Array:
-  return value.unwrap(SHARD_AXIS, ROW_AXIS, embed.config.embedding_axis)
+def _recorded_input(embed: SparseCoreEmbed, probe: ActivationProbe) -> Any:
+  """The one input the layer was called with, or None."""
+  recorded = probe.record.value
+  if len(recorded) > 1:
+    raise ValueError(
+      f"SparseCoreEmbed {embed.config.name!r} was called "
+      f"{len(recorded)} times in one loss evaluation; call it once"
+    )
+  return recorded[0] if recorded else None
+
+
+def _loss_and_grads(
+  stateless_model: Any,
+  variables: _Variables,
+  state: SparseCoreTrainerState,
+  rng: jax.Array,
+  options: _StepOptions,
+  kwargs: dict[str, Any],
+) -> _Gradients:
+  """The loss and its gradients wrt the dense parameters and the probes."""
+  embeds = find_embeds(stateless_model)
+
+  def compute(dense_params, probes):
+    state_vars = tuple(v.unfreeze_as_copy() for v in variables.state)
+    model = pz.bind_variables(
+      stateless_model,
+      state_vars
+      + dense_params
+      + variables.frozen
+      + variables.tables
+      + variables.slots,
+    )
+    attached = [
+      ActivationProbe.attach(p, f"{e.config.name}/activation_probe")
+      for e, p in zip(embeds, probes, strict=True)
+    ]
+    order = iter(attached)
+    model = (
+      pz.select(model)
+      .at_instances_of(SparseCoreEmbed)
+      .apply(lambda e: dataclasses.replace(e, activation_probe=next(order)))
+    )
+    loss, loss_fn_state, aux = options.loss_fn(
+      model=model, state=state.loss_fn_state, rng=rng, **kwargs
+    )
+    inputs = tuple(
+      _recorded_input(e, p) for e, p in zip(embeds, attached, strict=True)
+    )
+    # The gradients are filled in below.
+    return loss, _Gradients(
+      loss=loss,
+      dense=(),
+      probes=(),
+      inputs=inputs,
+      state=pz.freeze_variables(state_vars),
+      loss_fn_state=loss_fn_state,
+      aux=aux,
+    )
+
+  probes = tuple(zero_probes(e.config.plan) for e in embeds)
+  grad_fn = jax.grad(compute, argnums=(0, 1), has_aux=True)
+  (g_dense, g_probes), out = grad_fn(variables.dense, probes)
+  return out._replace(dense=g_dense, probes=g_probes)
+
+
+def _labelled(
+  embed: SparseCoreEmbed,
+  tables: dict[str, jax.Array],
+  slots: dict[str, tuple[jax.Array, ...]],
+) -> dict[str, jax.Array]:
+  """Positional tables and slots of a layer by variable label."""
+  config = embed.config
+  out = {}
+  for stack, table in tables.items():
+    out[config.table_label(stack)] = table
+    for slot, value in zip(embed.slots[stack], slots[stack], strict=True):
+      out[config.slot_label(stack, slot)] = value
+  return out
+
+
+def _updates(
+  optimizer_def: optax.GradientTransformation,
+  state: SparseCoreTrainerState,
+  dense_params: tuple[Any, ...],
+  grads: _Gradients,
+  active: list[tuple[SparseCoreEmbed, Any, dict[str, jax.Array]]],
+) -> tuple[tuple[Any, ...], Any, dict[str, jax.Array]]:
+  """optax on the dense parameters; the fused update of every called layer.
+
+  Returns:
+    The new dense parameters, optimizer state and, by label, the new
+    positional tables and slots of the layers in `active`.
+  """
+  updates, opt_state = optimizer_def.update(
+    grads.dense, state.opt_state, dense_params
+  )
+  new_dense = optax.apply_updates(dense_params, updates)
+  by_label = {}
+  for embed, inputs, act_grads in active:
+    config = embed.config
+    tables, slots = parallel.apply_gradients(
+      config.plan,
+      config.topology,
+      table_arrays(embed),
+      slot_arrays(embed),
+      inputs,
+      act_grads,
+      state.step,
+    )
+    by_label.update(_labelled(embed, tables, slots))
+  return new_dense, opt_state, by_label
+
+
+def _finite_flags(
+  grads: _Gradients,
+  embeds: list[SparseCoreEmbed],
+  dense_params: tuple[Any, ...],
+  check_finite: bool,
+) -> dict[str, jax.Array]:
+  """Name → whether the loss / a stack's / a parameter's gradient is finite.
+
+  Without `check_finite`, only the loss.
+  """
+  finite = {"loss": jnp.isfinite(grads.loss)}
+  if not check_finite:
+    return finite
+  for embed, probe_grads in zip(embeds, grads.probes, strict=True):
+    for stack in embed.config.plan.stacks:
+      finite[embed.config.table_label(stack.name)] = jnp.all(
+        jnp.stack(
+          [jnp.all(jnp.isfinite(probe_grads[f.name])) for f in stack.features]
+        )
+      )
+  for var, grad in zip(dense_params, grads.dense, strict=True):
+    leaves = jax.tree.leaves(grad)
+    finite[var.label] = jnp.all(
+      jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves] or [True])
+    )
+  return finite
+
+
+def _guarded(
+  check_finite: bool,
+  finite: dict[str, jax.Array],
+  update: Callable[[], Any],
+  keep: Callable[[], Any],
+) -> Any:
+  """`update()`, or with `check_finite` `keep()` unless all is finite."""
+  if not check_finite:
+    return update()
+  ok = jnp.all(jnp.stack(list(finite.values())))
+  return jax.lax.cond(ok, update, keep)
+
+
+def _rebuild(variables: tuple[Any, ...], new: dict[str, jax.Array]):
+  """The frozen variables with the positional values in `new` written in."""
+  out = []
+  for var in variables:
+    if var.label in new:
+      named = pz.nx.wrap(new[var.label]).tag(*var.value.named_shape)
+      var = dataclasses.replace(var, value=named)
+    out.append(var)
+  return tuple(out)
 
 
 def _trainer_step(
@@ -107,133 +299,38 @@ def _trainer_step(
   state_vars: tuple[Any, ...],
   tables: tuple[Any, ...],
   slots: tuple[Any, ...],
-  loss_fn: Callable[..., Any],
-  optimizer_def: optax.GradientTransformation,
-  check_finite: bool,
+  options: _StepOptions,
   kwargs: dict[str, Any],
 ):
-  step_rng = jax.random.fold_in(root_rng, state.step)
-  embeds = embeds_of(stateless_model)
-  probes = tuple(
-    {k: jnp.zeros(s.shape, s.dtype) for k, s in e.activation_shapes().items()}
-    for e in embeds
+  """One step: gradients, then the (guarded) updates; jitted by `build`."""
+  variables = _Variables(dense_params, frozen_params, state_vars, tables, slots)
+  rng = jax.random.fold_in(root_rng, state.step)
+  grads = _loss_and_grads(
+    stateless_model, variables, state, rng, options, kwargs
   )
-
-  def compute(dense_params, probes):
-    taps = [_Tap() for _ in embeds]
-    state_vars_mut = tuple(v.unfreeze_as_copy() for v in state_vars)
-    model = pz.bind_variables(
-      stateless_model,
-      state_vars_mut + dense_params + frozen_params + tables + slots,
-    )
-    index = iter(range(len(embeds)))
-
-    def attach(embed):
-      i = next(index)
-      return dataclasses.replace(
-        embed, activation_probes=probes[i], tap=taps[i]
-      )
-
-    model = pz.select(model).at_instances_of(SparseCoreEmbed).apply(attach)
-    loss, new_loss_state, aux = loss_fn(
-      model=model, state=state.loss_fn_state, rng=step_rng, **kwargs
-    )
-    for embed, tap in zip(embeds, taps, strict=True):
-      if len(tap.inputs) > 1:
-        raise ValueError(
-          f"SparseCoreEmbed {embed.config.name!r} was called "
-          f"{len(tap.inputs)} times in one loss evaluation; call it once"
-        )
-    recorded = tuple(tap.inputs[0] if tap.inputs else None for tap in taps)
-    return loss, (
-      pz.freeze_variables(state_vars_mut),
-      new_loss_state,
-      aux,
-      recorded,
-      loss,
-    )
-
-  grad_fn = jax.grad(compute, argnums=(0, 1), has_aux=True)
-  (g_dense, g_probes), (new_state_vars, new_loss_state, aux, recorded, loss) = (
-    grad_fn(dense_params, probes)
-  )
-  by_label = {v.label: v for v in tables + slots}
+  # The layers with their (frozen) tables and slots bound.
+  embeds = find_embeds(pz.bind_variables(stateless_model, tables + slots))
   active = [
-    (embed, inputs, grads)
-    for embed, inputs, grads in zip(embeds, recorded, g_probes, strict=True)
+    (embed, inputs, act_grads)
+    for embed, inputs, act_grads in zip(
+      embeds, grads.inputs, grads.probes, strict=True
+    )
     if inputs is not None
   ]
-  owner = {}
-  for embed, _, _ in active:
-    for s, spec in embed.config.stacks.items():
-      owner[embed.config.table_label(s)] = embed
-      for n in spec.optimizer.slot_names():
-        owner[embed.config.slot_label(s, n)] = embed
 
-  def update_all():
-    updates, new_opt_state = optimizer_def.update(
-      g_dense, state.opt_state, dense_params
-    )
-    new_dense = optax.apply_updates(dense_params, updates)
-    new_by_label = {}
-    for embed, inputs, grads in active:
-      config = embed.config
-      table_values = {
-        s: _positional(by_label[config.table_label(s)].value, embed)
-        for s in config.stacks
-      }
-      slot_values = {
-        s: tuple(
-          _positional(by_label[config.slot_label(s, n)].value, embed)
-          for n in spec.optimizer.slot_names()
-        )
-        for s, spec in config.stacks.items()
-      }
-      new_tables, new_slots = embed.updated_arrays(
-        table_values, slot_values, inputs, grads, state.step
-      )
-      for s, spec in config.stacks.items():
-        new_by_label[config.table_label(s)] = new_tables[s]
-        names = spec.optimizer.slot_names()
-        for n, value in zip(names, new_slots[s], strict=True):
-          new_by_label[config.slot_label(s, n)] = value
-    return new_dense, new_opt_state, new_by_label
+  def update():
+    return _updates(options.optimizer_def, state, dense_params, grads, active)
 
-  finite = {"loss": jnp.isfinite(loss)}
-  if check_finite:
-    for embed, grads in zip(embeds, g_probes, strict=True):
-      for s in embed.config.stacks:
-        members = {f.name for f in embed._stack_features(s)}
-        finite[embed.config.table_label(s)] = jnp.all(
-          jnp.stack([jnp.all(jnp.isfinite(grads[f])) for f in members])
-        )
-    for var, grad in zip(dense_params, g_dense, strict=True):
-      leaves = jax.tree.leaves(grad)
-      finite[var.label] = jnp.all(
-        jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves] or [True])
-      )
-    ok = jnp.all(jnp.stack(list(finite.values())))
+  def keep():
+    old = {}
+    for embed, _, _ in active:
+      old.update(_labelled(embed, table_arrays(embed), slot_arrays(embed)))
+    return dense_params, state.opt_state, old
 
-    def keep():
-      old = {
-        label: _positional(by_label[label].value, embed)
-        for label, embed in owner.items()
-      }
-      return dense_params, state.opt_state, old
-
-    new_dense, new_opt_state, new_by_label = jax.lax.cond(ok, update_all, keep)
-  else:
-    new_dense, new_opt_state, new_by_label = update_all()
-
-  def rebuild(variables):
-    out = []
-    for var in variables:
-      if var.label in new_by_label:
-        named = pz.nx.wrap(new_by_label[var.label]).tag(*var.value.named_shape)
-        var = dataclasses.replace(var, value=named)
-      out.append(var)
-    return tuple(out)
-
+  finite = _finite_flags(grads, embeds, dense_params, options.check_finite)
+  new_dense, opt_state, new = _guarded(
+    options.check_finite, finite, update, keep
+  )
   # Outputs follow the donated inputs' positional order (state, dense,
   # state vars, tables, slots): jit pairs donated buffers with outputs of the
   # same shape in order, so any other order hands a table's buffer to a slot
@@ -241,14 +338,14 @@ def _trainer_step(
   return (
     SparseCoreTrainerState(
       step=state.step + 1,
-      opt_state=new_opt_state,
-      loss_fn_state=new_loss_state,
+      opt_state=opt_state,
+      loss_fn_state=grads.loss_fn_state,
     ),
     new_dense,
-    new_state_vars,
-    rebuild(tables),
-    rebuild(slots),
-    aux,
+    grads.state,
+    _rebuild(tables, new),
+    _rebuild(slots, new),
+    grads.aux,
     finite,
   )
 
@@ -367,7 +464,7 @@ class SparseCoreTrainer(pz.Struct):
     step_fn = jax.jit(
       _trainer_step,
       donate_argnames=donated if donate else (),
-      static_argnames=["loss_fn", "optimizer_def", "check_finite"],
+      static_argnames=["options"],
     )
     return cls(
       root_rng=root_rng,
@@ -388,6 +485,11 @@ class SparseCoreTrainer(pz.Struct):
       check_finite=check_finite,
       grouping=_Grouping(),
     )
+
+  @property
+  def step_options(self) -> _StepOptions:
+    """The static arguments `step` passes to `step_fn`."""
+    return _StepOptions(self.loss_fn, self.optimizer_def, self.check_finite)
 
   def step(self, **kwargs: Any) -> Any:
     """Runs one training step; returns the loss function's aux output.
@@ -413,20 +515,18 @@ class SparseCoreTrainer(pz.Struct):
         frozen["state"],
         frozen["tables"],
         frozen["slots"],
-        self.loss_fn,
-        self.optimizer_def,
-        self.check_finite,
+        self.step_options,
         kwargs,
       )
     )
-    for var, new in zip(groups["dense"], new_dense, strict=True):
-      var.update(new)
-    for var, new in zip(groups["state"], new_state, strict=True):
-      var.update(new)
-    for var, new in zip(groups["tables"], new_tables, strict=True):
-      var.update(new)
-    for var, new in zip(groups["slots"], new_slots, strict=True):
-      var.update(new)
+    for group, new in (
+      ("dense", new_dense),
+      ("state", new_state),
+      ("tables", new_tables),
+      ("slots", new_slots),
+    ):
+      for var, value in zip(groups[group], new, strict=True):
+        var.update(value)
     self.state.value = new_internal
     if self.check_finite:
       bad = [k for k, ok in jax.device_get(finite).items() if not bool(ok)]

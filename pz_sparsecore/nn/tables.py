@@ -1,0 +1,272 @@
+"""The positional and logical views of a `SparseCoreEmbed`'s variables.
+
+A stack's table (and each of its optimizer slots) is one variable whose
+value is a `NamedArray` with axes `(SHARD_AXIS, ROW_AXIS, embedding_axis)`,
+shape `[N, V_shard, D]`. Two other views of the same values exist:
+
+* The *positional* view (`table_arrays`, `slot_arrays`, `assign_arrays`): the
+  same arrays unwrapped in that axis order, still sharded on the devices, as
+  `parallel.lookup` and `parallel.apply_gradients` take them.
+* The *logical* view (`logical_tables`, `logical_slots` and their setters):
+  one `[vocab, dim]` numpy array per table, unstacked and unsharded, as a
+  user or a checkpoint sees it. Reading gathers the stack to the host;
+  writing changes only the rows of the tables given.
+
+Example: table `ta` (vocab 50, dim 8) alone in its stack on `N = 2` shards is
+padded to 64 rows, 32 per shard; MOD sharding puts id `i` on shard `i % 2`
+at row `i // 2`, so logical row 7 is positional `[1, 3]` and row 48 is
+`[0, 24]` (`layout.physical_row_ids` owns the formula).
+
+The setters validate every given table (names, shapes, finite values) before
+writing anything: on a `ValueError` the layer is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+from penzai import pz
+
+from pz_sparsecore import layout
+from pz_sparsecore.nn.host import from_host, to_host
+
+if TYPE_CHECKING:
+  from pz_sparsecore.nn.embed import EmbedConfig, SparseCoreEmbed
+
+SHARD_AXIS = "sc_shard"
+ROW_AXIS = "sc_row"
+
+
+def _axes(config: EmbedConfig) -> tuple[str, str, str]:
+  return SHARD_AXIS, ROW_AXIS, config.embedding_axis
+
+
+def named_table(config: EmbedConfig, value: jax.Array) -> pz.nx.NamedArray:
+  """A positional `[N, V_shard, D]` array as the layer's `NamedArray`.
+
+  Args:
+    config: The layer's config (for its embedding axis name).
+    value: A table or slot in the positional view.
+
+  Returns:
+    `value` tagged `(SHARD_AXIS, ROW_AXIS, config.embedding_axis)`.
+  """
+  return pz.nx.wrap(value).tag(*_axes(config))
+
+
+def positional_table(config: EmbedConfig, value: Any) -> jax.Array:
+  """The inverse of `named_table`: a variable's value as `[N, V_shard, D]`.
+
+  Args:
+    config: The layer's config (for its embedding axis name).
+    value: A `NamedArray` with the layer's table axes.
+
+  Returns:
+    The positional array.
+  """
+  return value.unwrap(*_axes(config))
+
+
+def table_arrays(embed: SparseCoreEmbed) -> dict[str, jax.Array]:
+  """Stack name → the table as a positional `[N, V_shard, D]` array.
+
+  Args:
+    embed: The layer (variables bound, mutable or frozen).
+
+  Returns:
+    The tables in the positional view.
+  """
+  return {
+    stack: positional_table(embed.config, var.value)
+    for stack, var in embed.tables.items()
+  }
+
+
+def slot_arrays(embed: SparseCoreEmbed) -> dict[str, tuple[jax.Array, ...]]:
+  """Stack name → the slots as positional arrays, in optimizer order.
+
+  Args:
+    embed: The layer (variables bound, mutable or frozen).
+
+  Returns:
+    The slots in the positional view.
+  """
+  return {
+    stack: tuple(
+      positional_table(embed.config, v.value) for v in slots.values()
+    )
+    for stack, slots in embed.slots.items()
+  }
+
+
+def assign_arrays(
+  embed: SparseCoreEmbed,
+  tables: Mapping[str, jax.Array],
+  slots: Mapping[str, tuple[jax.Array, ...]],
+) -> None:
+  """Writes positional arrays into the layer's (mutable) variables.
+
+  Args:
+    embed: The layer, with mutable variables bound.
+    tables: Stack name → new table (any subset of the stacks).
+    slots: Stack name → new slots, in optimizer order.
+  """
+  for stack, value in tables.items():
+    embed.tables[stack].value = named_table(embed.config, value)
+  for stack, values in slots.items():
+    for var, value in zip(embed.slots[stack].values(), values, strict=True):
+      var.value = named_table(embed.config, value)
+
+
+def logical_tables(embed: SparseCoreEmbed) -> dict[str, np.ndarray]:
+  """Table name → `[vocab, dim]` numpy array.
+
+  Args:
+    embed: The layer (with several processes, every process calls this).
+
+  Returns:
+    Every table of the layer, unstacked and unsharded.
+  """
+  plan = embed.config.plan
+  stacked = {stack: to_host(v) for stack, v in table_arrays(embed).items()}
+  return layout.unshard_and_unstack_tables(
+    plan.feature_specs, stacked, plan.num_shards
+  )
+
+
+def logical_slots(embed: SparseCoreEmbed) -> dict[str, dict[str, np.ndarray]]:
+  """Table name → slot name → `[vocab, dim]` numpy array.
+
+  Args:
+    embed: The layer (with several processes, every process calls this).
+
+  Returns:
+    Every optimizer slot of every table, unstacked and unsharded.
+  """
+  plan = embed.config.plan
+  out: dict[str, dict[str, np.ndarray]] = {}
+  for stack, values in slot_arrays(embed).items():
+    for slot, value in zip(embed.slots[stack], values, strict=True):
+      tables = layout.unshard_and_unstack_tables(
+        plan.stack(stack).tables, {stack: to_host(value)}, plan.num_shards
+      )
+      for name, table in tables.items():
+        out.setdefault(name, {})[slot] = table
+  return out
+
+
+def _check_logical(
+  embed: SparseCoreEmbed, values: Mapping[str, Any], what: str
+) -> None:
+  """Raises unless every value names a table and has its shape, finite."""
+  tables = embed.config.plan.tables
+  unknown = sorted(set(values) - set(tables))
+  if unknown:
+    raise ValueError(
+      f"unknown {what} {unknown}; the layer has {sorted(tables)}"
+    )
+  for name, value in values.items():
+    table = tables[name]
+    value = np.asarray(value, dtype=np.float32)
+    expected = (table.vocabulary_size, table.embedding_dim)
+    if value.shape != expected:
+      raise ValueError(
+        f"{what} {name!r}: expected shape {expected}, got {value.shape}"
+      )
+    if not np.all(np.isfinite(value)):
+      raise ValueError(f"{what} {name!r}: values must be finite")
+
+
+def _write_logical(
+  embed: SparseCoreEmbed,
+  arrays: Mapping[str, Any],
+  values: Mapping[str, Any],
+  what: str,
+) -> dict[str, jax.Array]:
+  """New positional arrays (of `arrays`' stacks) with `values` written in."""
+  _check_logical(embed, values, what)
+  plan = embed.config.plan
+  changed: dict[str, np.ndarray] = {}
+  for name, value in values.items():
+    table = plan.tables[name]
+    stack = plan.stack_of_table[name].name
+    if stack not in changed:
+      changed[stack] = np.array(to_host(arrays[stack]), dtype=np.float32)
+    flat = changed[stack].reshape(-1, changed[stack].shape[-1])
+    rows = layout.physical_row_ids(
+      table, np.arange(table.vocabulary_size), plan.num_shards
+    )
+    flat[rows, : table.embedding_dim] = np.asarray(value, np.float32)
+  sharding = embed.config.topology.sharding(3)
+  return {k: from_host(v, sharding) for k, v in changed.items()}
+
+
+def set_logical_tables(
+  embed: SparseCoreEmbed, tables: Mapping[str, Any]
+) -> None:
+  """Writes logical tables (any subset) into the sharded parameters.
+
+  Args:
+    embed: The layer, with mutable variables bound.
+    tables: Table name → `[vocab, dim]` array.
+
+  Raises:
+    ValueError: On an unknown table name or a shape mismatch; nothing is
+      written then.
+  """
+  new = _write_logical(embed, table_arrays(embed), tables, "table")
+  assign_arrays(embed, new, {})
+
+
+def _slot_updates(
+  embed: SparseCoreEmbed, slots: Mapping[str, Mapping[str, Any]]
+) -> list[tuple[str, str, jax.Array]]:
+  """(stack, slot, new positional array) for every slot given values."""
+  plan = embed.config.plan
+  current = slot_arrays(embed)
+  updates = []
+  for stack, stack_slots in embed.slots.items():
+    members = {t.name for t in plan.stack(stack).tables}
+    for index, slot in enumerate(stack_slots):
+      values = {
+        t: s[slot]
+        for t, s in slots.items()
+        if isinstance(s, Mapping) and slot in s and t in members
+      }
+      if not values:
+        continue
+      arrays = {stack: current[stack][index]}
+      new = _write_logical(embed, arrays, values, "slot " + slot + " of table")
+      updates.append((stack, slot, new[stack]))
+  return updates
+
+
+def set_logical_slots(
+  embed: SparseCoreEmbed, slots: Mapping[str, Mapping[str, Any]]
+) -> None:
+  """Writes logical slots (table name → slot name → array).
+
+  Args:
+    embed: The layer, with mutable variables bound.
+    slots: Table name → slot name → `[vocab, dim]` array (any subset).
+
+  Raises:
+    ValueError: On unknown names or shape mismatches; nothing is written.
+  """
+  updates = _slot_updates(embed, slots)
+  plan = embed.config.plan
+  known = {
+    (t.name, s)
+    for stack, stack_slots in embed.slots.items()
+    for t in plan.stack(stack).tables
+    for s in stack_slots
+  }
+  for table, table_slots in slots.items():
+    for slot in table_slots:
+      if (table, slot) not in known:
+        raise ValueError(f"unknown slot {slot!r} of table {table!r}")
+  for stack, slot, value in updates:
+    embed.slots[stack][slot].value = named_table(embed.config, value)
