@@ -310,8 +310,7 @@ def build(
 
   Args:
     feature_specs: A pytree of `FeatureSpec`s prepared with
-      `layout.prepare_feature_specs_for_training` (or a `Plan`, returned as
-      is when its topology matches).
+      `layout.prepare_feature_specs_for_training`.
     global_device_count: G, devices the tables are sharded over.
     num_sc_per_device: S, (virtual) SparseCores per device.
 
@@ -325,10 +324,6 @@ def build(
   """
   buffer_format.num_shards(global_device_count, num_sc_per_device)
   g, s = int(global_device_count), int(num_sc_per_device)
-  if isinstance(feature_specs, Plan):
-    if (feature_specs.num_devices, feature_specs.num_sc_per_device) == (g, s):
-      return feature_specs
-    feature_specs = feature_specs.specs_tree
   leaves, treedef = _flatten_specs(feature_specs)
   try:
     return _cached_build(tuple(leaves), treedef, g, s)

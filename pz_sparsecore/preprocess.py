@@ -164,7 +164,7 @@ def compute_coo_buffer_size_per_device(
   """The COO buffer length per device of every stack.
 
   Args:
-    feature_specs: A pytree of prepared `FeatureSpec`s (or their plan).
+    feature_specs: A pytree of prepared `FeatureSpec`s.
     global_device_count: Devices the tables are sharded over.
     num_sc_per_device: (Virtual) SparseCores per device.
 
@@ -200,25 +200,48 @@ def eval_preprocess_sparse_dense_matmul_input_shape(
     A `PreprocessedInput` of `jax.ShapeDtypeStruct`s.
   """
   _check_topology(local_device_count, global_device_count, num_sc_per_device)
-  rp_size = compute_row_pointers_size_per_device(
-    global_device_count, num_sc_per_device
+  return input_shapes(
+    plan_lib.build(feature_specs, global_device_count, num_sc_per_device),
+    local_device_count,
+    has_leading_dimension=has_leading_dimension,
   )
-  coo_sizes = compute_coo_buffer_size_per_device(
-    feature_specs, global_device_count, num_sc_per_device
-  )
+
+
+def input_shapes(
+  plan: plan_lib.Plan,
+  local_device_count: int,
+  *,
+  has_leading_dimension: bool = False,
+) -> PreprocessedInput:
+  """The shapes and dtypes `preprocess_for_plan` returns for `plan`.
+
+  Args:
+    plan: The plan of the feature specs.
+    local_device_count: Devices of this process.
+    has_leading_dimension: Whether the buffers get a leading device axis.
+
+  Returns:
+    A `PreprocessedInput` of `jax.ShapeDtypeStruct`s.
+  """
   num_local = local_device_count
 
-  def shape(size: int) -> tuple[int, ...]:
-    return (num_local, size) if has_leading_dimension else (num_local * size,)
+  def struct(per_device: int, dtype: Any) -> jax.ShapeDtypeStruct:
+    shape = (
+      (num_local, per_device)
+      if has_leading_dimension
+      else (num_local * per_device,)
+    )
+    return jax.ShapeDtypeStruct(shape, dtype)
 
-  def struct(size: int, dtype: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape(size), dtype)
-
+  rp = {
+    s.name: s.row_pointers_per_sc * plan.num_sc_per_device for s in plan.stacks
+  }
+  coo = {s.name: s.coo_per_device for s in plan.stacks}
   return PreprocessedInput(
-    lhs_row_pointers={k: struct(rp_size, np.int32) for k in coo_sizes},
-    lhs_embedding_ids={k: struct(c, np.int32) for k, c in coo_sizes.items()},
-    lhs_sample_ids={k: struct(c, np.int32) for k, c in coo_sizes.items()},
-    lhs_gains={k: struct(c, np.float32) for k, c in coo_sizes.items()},
+    lhs_row_pointers={k: struct(n, np.int32) for k, n in rp.items()},
+    lhs_embedding_ids={k: struct(c, np.int32) for k, c in coo.items()},
+    lhs_sample_ids={k: struct(c, np.int32) for k, c in coo.items()},
+    lhs_gains={k: struct(c, np.float32) for k, c in coo.items()},
   )
 
 
@@ -660,6 +683,7 @@ __all__ = [
   "compute_row_pointers_size_per_device",
   "compute_theoretical_max_coo_buffer_size",
   "eval_preprocess_sparse_dense_matmul_input_shape",
+  "input_shapes",
   "preprocess_for_plan",
   "preprocess_sparse_dense_matmul_input",
 ]

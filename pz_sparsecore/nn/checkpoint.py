@@ -32,7 +32,12 @@ import numpy as np
 from penzai import pz
 
 from pz_sparsecore import layout
-from pz_sparsecore.nn.embed import SparseCoreEmbed, find_embeds, named_table
+from pz_sparsecore.nn.embed import (
+  SparseCoreEmbed,
+  find_embeds,
+  named_table,
+  variable_labels,
+)
 from pz_sparsecore.nn.host import from_host, to_host
 from pz_sparsecore.nn.tables import logical_slots, logical_tables
 
@@ -75,15 +80,10 @@ def _host_value(label: str, value: Any) -> tuple[np.ndarray, list[str] | None]:
   )
 
 
-def _embed_labels(model: Any) -> set[Any]:
+def _embed_labels(model: Any) -> set[str]:
   """Labels of the tables and slots of every `SparseCoreEmbed` in `model`."""
-  labels = set()
-  for embed in find_embeds(model):
-    labels.update(v.label for v in embed.tables.values())
-    labels.update(
-      v.label for slots in embed.slots.values() for v in slots.values()
-    )
-  return labels
+  tables, slots = variable_labels(model)
+  return tables | slots
 
 
 def _embed_entry(

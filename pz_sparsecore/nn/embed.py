@@ -50,7 +50,7 @@ from pz_sparsecore.nn.tables import (
 from pz_sparsecore.preprocess import (
   PreprocessedInput,
   SparseDenseMatmulInputStats,
-  eval_preprocess_sparse_dense_matmul_input_shape,
+  input_shapes,
   preprocess_for_plan,
 )
 from pz_sparsecore.specs import FeatureSpec
@@ -62,6 +62,7 @@ __all__ = [
   "SparseCoreEmbed",
   "find_embeds",
   "named_table",
+  "variable_labels",
 ]
 
 
@@ -427,6 +428,25 @@ def find_embeds(model: Any) -> list[SparseCoreEmbed]:
   return pz.select(model).at_instances_of(SparseCoreEmbed).get_sequence()
 
 
+def variable_labels(model: Any) -> tuple[set[str], set[str]]:
+  """The labels of the tables and of the slots of every layer in `model`.
+
+  Args:
+    model: Any Penzai model (or pytree).
+
+  Returns:
+    `(table labels, slot labels)`.
+  """
+  tables, slots = set(), set()
+  for embed in find_embeds(model):
+    config = embed.config
+    for stack in config.plan.stacks:
+      tables.add(config.table_label(stack.name))
+      for slot in stack.optimizer.slot_names():
+        slots.add(config.slot_label(stack.name, slot))
+  return tables, slots
+
+
 # ---------------------------------------------------------------------------
 # Host side: the local batch.
 
@@ -481,17 +501,11 @@ def _local_device_count(topo: parallel.Topology) -> int:
 def _input_shapes(config: EmbedConfig) -> PreprocessedInput:
   """Global `jax.ShapeDtypeStruct`s of `preprocess`'s buffers."""
   topo = config.topology
-  local = eval_preprocess_sparse_dense_matmul_input_shape(
-    config.plan.specs_tree,
-    1,
-    topo.num_devices,
-    num_sc_per_device=topo.num_sc_per_device,
-  )
   return jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(
       (x.shape[0] * topo.num_devices,), x.dtype, sharding=topo.sharding(1)
     ),
-    local,
+    input_shapes(config.plan, 1),
   )
 
 

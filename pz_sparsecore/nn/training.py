@@ -55,7 +55,11 @@ import optax
 from penzai import pz
 
 from pz_sparsecore import parallel
-from pz_sparsecore.nn.embed import SparseCoreEmbed, find_embeds
+from pz_sparsecore.nn.embed import (
+  SparseCoreEmbed,
+  find_embeds,
+  variable_labels,
+)
 from pz_sparsecore.nn.probe import ActivationProbe, zero_probes
 from pz_sparsecore.nn.tables import slot_arrays, table_arrays
 
@@ -112,17 +116,6 @@ class _Gradients(NamedTuple):
   state: tuple[Any, ...]
   loss_fn_state: Any
   aux: Any
-
-
-def _embed_labels(model: Any) -> tuple[set[str], set[str]]:
-  tables, slots = set(), set()
-  for embed in find_embeds(model):
-    config = embed.config
-    for stack in config.plan.stacks:
-      tables.add(config.table_label(stack.name))
-      for slot in stack.optimizer.slot_names():
-        slots.add(config.slot_label(stack.name, slot))
-  return tables, slots
 
 
 def _recorded_input(embed: SparseCoreEmbed, probe: ActivationProbe) -> Any:
@@ -372,7 +365,7 @@ class _Grouping:
 def _group_variables(model: Any) -> tuple[Any, dict[str, list[Any]]]:
   """The stateless model and its variables by role in the step."""
   stateless_model, variables = pz.unbind_variables(model)
-  table_labels, slot_labels = _embed_labels(model)
+  table_labels, slot_labels = variable_labels(model)
   groups = {k: [] for k in ("dense", "frozen", "state", "tables", "slots")}
   for var in variables:
     if var.label in table_labels:
@@ -453,7 +446,7 @@ class SparseCoreTrainer(pz.Struct):
       The trainer.
     """
     _, params = pz.unbind_params(model)
-    table_labels, _ = _embed_labels(model)
+    table_labels, _ = variable_labels(model)
     dense = [
       p
       for p in params
