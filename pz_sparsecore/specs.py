@@ -119,6 +119,18 @@ class OptimizerSpec:
       value = getattr(self, field.name)
       if field.type in ("float", float):
         _check_finite(type(self).__name__, field.name, value)
+    self._check_accumulator()
+
+  def _check_accumulator(self) -> None:
+    """Refuses values for which an update would divide zero by zero."""
+
+  def _require_positive_accumulator(self, why: str) -> None:
+    value = self.initial_accumulator_value
+    if not value > 0:
+      raise ValueError(
+        f"{type(self).__name__}: initial_accumulator_value must be > 0, got "
+        f"{value!r} ({why})"
+      )
 
   @property
   def definition(self) -> optimizers.Optimizer:
@@ -208,6 +220,12 @@ class AdagradOptimizerSpec(OptimizerSpec):
   learning_rate: LearningRate = 0.001
   initial_accumulator_value: float = 0.1
 
+  def _check_accumulator(self) -> None:
+    self._require_positive_accumulator(
+      "a row component whose gradient has always been 0 would be updated by "
+      "0 / sqrt(0)"
+    )
+
 
 @dataclasses.dataclass(frozen=True)
 class AdagradMomentumOptimizerSpec(OptimizerSpec):
@@ -223,6 +241,20 @@ class AdagradMomentumOptimizerSpec(OptimizerSpec):
   use_nesterov: bool = False
   initial_accumulator_value: float = 0.1
   initial_momentum_value: float = 0.0
+
+  def _check_accumulator(self) -> None:
+    if self.epsilon > 0:
+      return
+    if self.beta2 != 1.0:
+      raise ValueError(
+        f"{type(self).__name__}: epsilon must be > 0 when beta2 != 1, got "
+        f"epsilon={self.epsilon!r} (the decaying accumulator can reach 0, "
+        "and 0 ** (-1 / exponent) * 0 is NaN)"
+      )
+    self._require_positive_accumulator(
+      "epsilon is 0, so a component whose gradient has always been 0 would "
+      "be scaled by 0 ** (-1 / exponent)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +283,21 @@ class FTRLOptimizerSpec(OptimizerSpec):
   initial_accumulator_value: float = 0.1
   initial_linear_value: float = 0.0
   multiply_linear_by_learning_rate: bool = False
+
+  def _check_accumulator(self) -> None:
+    if self.initial_accumulator_value > 0:
+      return
+    if self.learning_rate_power > 0:
+      self._require_positive_accumulator(
+        "0 ** -learning_rate_power is infinite for a positive "
+        "learning_rate_power"
+      )
+    if self.beta > 0 or self.l2_regularization_strength > 0:
+      return
+    self._require_positive_accumulator(
+      "with beta = l2 = 0 a component whose gradient has always been 0 "
+      "would be divided by accumulator ** -learning_rate_power = 0"
+    )
 
 
 # ---------------------------------------------------------------------------

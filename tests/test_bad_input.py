@@ -212,3 +212,128 @@ def test_bad_logical_tables_write_nothing(embed):
   with pytest.raises(ValueError, match=r"words.*finite"):
     pzsc.set_logical_tables(embed, {"words": np.full((VOCAB, DIM), np.nan)})
   _assert_unchanged(embed, before)
+
+
+def _grad(embed, value):
+  return {"words": value}
+
+
+@pytest.mark.parametrize(
+  "grad, match",
+  [
+    (np.ones((DIM, BATCH), np.float32), r"shape \(8, 16\), expected \(16, 8\)"),
+    (np.ones((BATCH, DIM + 1), np.float32), r"shape \(16, 9\)"),
+    (np.ones(BATCH * DIM, np.float32), r"shape \(128,\)"),
+    (np.ones((BATCH, DIM), np.int32), "floating dtype"),
+    (
+      pz.nx.wrap(np.ones((BATCH, DIM), np.float32)).tag("batch", "features"),
+      "expected the named axes",
+    ),
+    (
+      pz.nx.wrap(np.ones((BATCH, DIM), np.float32)).tag_prefix("batch"),
+      "positional shape",
+    ),
+  ],
+  ids=[
+    "transposed",
+    "wrong size",
+    "flat",
+    "int",
+    "wrong axis name",
+    "positional axis",
+  ],
+)
+def test_apply_gradients_refuses_bad_gradients(embed, grad, match):
+  inputs, _ = embed.preprocess({"words": _ids()})
+  before = _snapshot(embed)
+  with pytest.raises(ValueError, match=f"feature 'words'.*{match}"):
+    embed.apply_gradients(inputs, _grad(embed, grad), 0)
+  _assert_unchanged(embed, before)
+  with pytest.raises(ValueError, match=r"unknown features \['wrods'\]"):
+    embed.apply_gradients(inputs, {"words": grad, "wrods": grad}, 0)
+  _assert_unchanged(embed, before)
+  # The next action: a gradient shaped like the activations is applied.
+  acts = embed(inputs)["words"]
+  embed.apply_gradients(inputs, {"words": acts * 0.0 + 1.0}, 0)
+  assert not np.array_equal(
+    pzsc.logical_tables(embed)["words"], before[0]["words"]
+  )
+  pzsc.set_logical_tables(embed, before[0])
+  pzsc.set_logical_slots(embed, before[1])
+
+
+@pytest.mark.parametrize(
+  "make, match",
+  [
+    (
+      lambda: pzsc.AdagradOptimizerSpec(initial_accumulator_value=0.0),
+      "AdagradOptimizerSpec: initial_accumulator_value must be > 0, got 0.0",
+    ),
+    (
+      lambda: pzsc.FTRLOptimizerSpec(initial_accumulator_value=0.0),
+      "FTRLOptimizerSpec: initial_accumulator_value must be > 0",
+    ),
+    (
+      lambda: pzsc.FTRLOptimizerSpec(
+        initial_accumulator_value=0.0, beta=1.0, learning_rate_power=0.5
+      ),
+      "positive learning_rate_power",
+    ),
+    (
+      lambda: pzsc.AdagradMomentumOptimizerSpec(epsilon=0.0, beta2=0.9),
+      "epsilon must be > 0 when beta2 != 1",
+    ),
+    (
+      lambda: pzsc.AdagradMomentumOptimizerSpec(
+        epsilon=0.0, initial_accumulator_value=0.0
+      ),
+      "initial_accumulator_value must be > 0",
+    ),
+  ],
+)
+def test_optimizers_refuse_a_zero_accumulator(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+@pytest.mark.parametrize(
+  "spec",
+  [
+    pzsc.AdagradOptimizerSpec(
+      learning_rate=0.5, initial_accumulator_value=1e-30
+    ),
+    pzsc.FTRLOptimizerSpec(initial_accumulator_value=0.0, beta=1.0),
+    pzsc.AdagradMomentumOptimizerSpec(epsilon=0.0),
+  ],
+  ids=["adagrad tiny", "ftrl beta", "adagrad_momentum"],
+)
+def test_accepted_accumulators_never_make_nan(spec):
+  """Zero gradient components on referenced rows keep the rows finite."""
+  table = pzsc.TableSpec(
+    name="t",
+    vocabulary_size=VOCAB,
+    embedding_dim=DIM,
+    initializer=jax.nn.initializers.normal(),
+    optimizer=spec,
+    combiner="sum",
+  )
+  features = {
+    "t": pzsc.FeatureSpec(
+      name="t",
+      table_spec=table,
+      input_shape=(BATCH, 2),
+      output_shape=(BATCH, DIM),
+    )
+  }
+  mesh = Mesh(np.array(jax.devices()[:2]), ("device",))
+  layer = pzsc.SparseCoreEmbed.from_config(
+    "z", jax.random.key(0), features, mesh
+  )
+  inputs, _ = layer.preprocess({"t": _ids(1, (BATCH, 2))})
+  grad = np.zeros((BATCH, DIM), np.float32)
+  grad[:, 0] = 1.0  # One component moves; the others have zero gradient.
+  for step in range(3):
+    layer.apply_gradients(inputs, {"t": grad}, step)
+  assert np.all(np.isfinite(pzsc.logical_tables(layer)["t"]))
+  for slots in pzsc.logical_slots(layer)["t"].values():
+    assert np.all(np.isfinite(slots))

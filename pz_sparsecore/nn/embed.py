@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh
 from penzai import pz
 
-from pz_sparsecore import layout, parallel
+from pz_sparsecore import input_check, layout, parallel
 from pz_sparsecore import plan as plan_lib
 from pz_sparsecore.nn.probe import ActivationProbe
 from pz_sparsecore.nn.tables import (
@@ -356,10 +356,18 @@ class SparseCoreEmbed(pz.nn.Layer):
   def __call__(
     self, inputs: PreprocessedInput, /, **side_inputs: Any
   ) -> dict[str, pz.nx.NamedArray]:
-    """Feature name → activations `NamedArray` (sample axes + embedding)."""
-    del side_inputs
+    """Feature name → activations `NamedArray` (sample axes + embedding).
+
+    Args:
+      inputs: The buffers from `preprocess` (or built by hand in the same
+        format).
+      **side_inputs: Penzai side inputs (ignored), and `validate=True` to
+        check the buffers' contents first (see `validate`).
+    """
     config = self.config
     _check_inputs(config, inputs)
+    if side_inputs.get("validate", False):
+      self.validate(inputs)
     acts = parallel.lookup(
       config.plan, config.topology, table_arrays(self), inputs
     )
@@ -372,6 +380,29 @@ class SparseCoreEmbed(pz.nn.Layer):
       value = acts[feature.name].reshape(feature.output_shape)
       out[feature.name] = pz.nx.wrap(value).tag(*axes, config.embedding_axis)
     return out
+
+  def validate(self, inputs: PreprocessedInput) -> None:
+    """Checks hand-built buffers' contents before they are used.
+
+    `preprocess` always writes valid buffers; buffers built otherwise may
+    hold entries the kernels skip (see `pz_sparsecore.input_check`).
+    `SparseCoreTrainer` runs this on its first step.
+
+    Args:
+      inputs: Concrete buffers (not traced: call it outside `jit`).
+
+    Raises:
+      ValueError: Naming the feature, device, partition, buffer, position
+        and value of the first bad entry, or if `inputs` are traced.
+    """
+    config = self.config
+    _check_inputs(config, inputs)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(inputs)):
+      raise ValueError(
+        f"SparseCoreEmbed {config.name!r}: validate needs concrete buffers; "
+        "call embed.validate(inputs) outside jit, before the jitted call"
+      )
+    input_check.validate_input(config.plan, inputs)
 
   def apply_gradients(
     self,
@@ -535,20 +566,66 @@ def _check_inputs(config: EmbedConfig, inputs: Any) -> None:
         )
 
 
+def fits(embed: SparseCoreEmbed, inputs: Any) -> bool:
+  """Whether `inputs` have the stacks and buffer shapes `embed` takes."""
+  try:
+    _check_inputs(embed.config, inputs)
+  except ValueError:
+    return False
+  return True
+
+
 def _flat_grads(
   config: EmbedConfig, grads: Mapping[str, Any]
 ) -> dict[str, jax.Array]:
-  """Activation gradients as flat `[samples, dim]` float32 arrays."""
+  """Activation gradients as flat `[samples, dim]` float32 arrays.
+
+  Raises:
+    ValueError: Naming the feature, for a missing or unknown feature, or a
+      gradient whose axes, shape or dtype differ from its activations'.
+  """
+  features = config.plan.features
+  unknown = sorted(set(grads) - set(features))
+  if unknown:
+    raise ValueError(
+      f"SparseCoreEmbed {config.name!r}: activation gradients for unknown "
+      f"features {unknown}; its features are {list(features)}"
+    )
   out = {}
-  for feature, axes in zip(
-    config.plan.features.values(), config.feature_axes, strict=True
-  ):
+  for feature, axes in zip(features.values(), config.feature_axes, strict=True):
     if feature.name not in grads:
       raise ValueError(f"no activation gradient for feature {feature.name!r}")
-    g = grads[feature.name]
-    if isinstance(g, pz.nx.NamedArray | pz.nx.NamedArrayView):
-      g = g.unwrap(*axes, config.embedding_axis)
-    out[feature.name] = jnp.asarray(g, jnp.float32).reshape(
+    g = _activation_grad(
+      feature.name, grads[feature.name], (*axes, config.embedding_axis)
+    )
+    if tuple(g.shape) != tuple(feature.output_shape):
+      raise ValueError(
+        f"feature {feature.name!r}: activation gradient of shape "
+        f"{tuple(g.shape)}, expected {tuple(feature.output_shape)} (the "
+        "shape of its activations)"
+      )
+    out[feature.name] = g.astype(jnp.float32).reshape(
       feature.spec.sample_count, feature.dim
     )
   return out
+
+
+def _activation_grad(feature: str, g: Any, axes: tuple[str, ...]) -> Any:
+  """`g` as a positional array in the order `axes`, checked by name."""
+  if isinstance(g, pz.nx.NamedArray | pz.nx.NamedArrayView):
+    named = dict(g.named_shape)
+    if g.positional_shape or set(named) != set(axes):
+      raise ValueError(
+        f"feature {feature!r}: activation gradient with axes {named} and "
+        f"positional shape {g.positional_shape}, expected the named axes "
+        f"{axes} of its activations"
+      )
+    g = g.unwrap(*axes)
+  if not hasattr(g, "dtype"):
+    g = jnp.asarray(g)
+  if not jnp.issubdtype(g.dtype, jnp.floating):
+    raise ValueError(
+      f"feature {feature!r}: activation gradient of dtype {g.dtype}, "
+      "expected a floating dtype"
+    )
+  return g

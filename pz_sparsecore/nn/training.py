@@ -58,10 +58,12 @@ from pz_sparsecore import parallel
 from pz_sparsecore.nn.embed import (
   SparseCoreEmbed,
   find_embeds,
+  fits,
   variable_labels,
 )
 from pz_sparsecore.nn.probe import ActivationProbe, zero_probes
 from pz_sparsecore.nn.tables import slot_arrays, table_arrays
+from pz_sparsecore.preprocess import PreprocessedInput
 
 
 class NonFiniteUpdateError(FloatingPointError):
@@ -354,12 +356,28 @@ class _Grouping:
   def __init__(self):
     self._model = None
     self._result = None
+    self.inputs_checked = False
 
   def of(self, model: Any) -> tuple[Any, dict[str, list[Any]]]:
     if model is not self._model:
       self._result = _group_variables(model)
       self._model = model
     return self._result
+
+
+def _validate_inputs(model: Any, kwargs: dict[str, Any]) -> None:
+  """Checks every `PreprocessedInput` in `kwargs` with the layers it fits."""
+  found = [
+    x
+    for x in jax.tree.leaves(
+      kwargs, is_leaf=lambda x: isinstance(x, PreprocessedInput)
+    )
+    if isinstance(x, PreprocessedInput)
+  ]
+  for inputs in found:
+    for embed in find_embeds(model):
+      if fits(embed, inputs):
+        embed.validate(inputs)
 
 
 def _group_variables(model: Any) -> tuple[Any, dict[str, list[Any]]]:
@@ -398,6 +416,10 @@ class SparseCoreTrainer(pz.Struct):
       the tables or parameters).
     grouping: Internal: the model's variables sorted by role, kept between
       steps.
+    validate_inputs: Which steps check the contents of the
+      `PreprocessedInput`s in their keyword arguments with
+      `SparseCoreEmbed.validate` before running (for buffers built by hand):
+      `"first"` (the first step), `True` (every step) or `False`.
   """
 
   root_rng: jax.Array
@@ -416,6 +438,9 @@ class SparseCoreTrainer(pz.Struct):
   grouping: Any = dataclasses.field(
     default=None, metadata={"pytree_node": False}
   )
+  validate_inputs: bool | str = dataclasses.field(
+    default="first", metadata={"pytree_node": False}
+  )
 
   @classmethod
   def build(
@@ -428,6 +453,7 @@ class SparseCoreTrainer(pz.Struct):
     *,
     check_finite: bool = False,
     donate: bool = True,
+    validate_inputs: bool | str = "first",
   ) -> SparseCoreTrainer:
     """Builds a trainer for `model`.
 
@@ -441,10 +467,17 @@ class SparseCoreTrainer(pz.Struct):
         gradients are not finite leaves every variable unchanged and raises
         `NonFiniteUpdateError` naming the step and the tables / parameters.
       donate: Donate variables so updates happen in place.
+      validate_inputs: `"first"`, `True` or `False`: which steps check
+        their input buffers' contents first (see the attribute).
 
     Returns:
       The trainer.
     """
+    if validate_inputs not in ("first", True, False):
+      raise ValueError(
+        f'validate_inputs must be "first", True or False, got '
+        f"{validate_inputs!r}"
+      )
     _, params = pz.unbind_params(model)
     table_labels, _ = variable_labels(model)
     dense = [
@@ -477,6 +510,7 @@ class SparseCoreTrainer(pz.Struct):
       step_fn=step_fn,
       check_finite=check_finite,
       grouping=_Grouping(),
+      validate_inputs=validate_inputs,
     )
 
   @property
@@ -491,8 +525,15 @@ class SparseCoreTrainer(pz.Struct):
       NonFiniteUpdateError: With `check_finite`, if the loss or a gradient
         is not finite; the variables are then unchanged (the step counter
         still advances).
+      ValueError: If an input buffer fails `SparseCoreEmbed.validate` (on
+        the steps `validate_inputs` selects); nothing is changed.
     """
     grouping = self.grouping or _Grouping()
+    if self.validate_inputs is True or (
+      self.validate_inputs == "first" and not grouping.inputs_checked
+    ):
+      _validate_inputs(self.model, kwargs)
+      grouping.inputs_checked = True
     stateless_model, groups = grouping.of(self.model)
     frozen = {k: pz.freeze_variables(tuple(v)) for k, v in groups.items()}
     # Positional, in `_trainer_step`'s order: keyword arguments would be
