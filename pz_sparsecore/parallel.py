@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pz_sparsecore import buffer_format, kernels
+from pz_sparsecore.kernels import contract, reference
 from pz_sparsecore.plan import Plan, StackPlan
 from pz_sparsecore.preprocess import PreprocessedInput
 
@@ -162,8 +164,15 @@ def _local_lookup(stack: StackPlan, topo: Topology, table, inputs):
 
 
 def _local_update(
-  stack: StackPlan, topo: Topology, table, slots, inputs, grads, hyper
+  stack: StackPlan, topo: Topology, table, slots, inputs, grads, hyper, guard
 ):
+  """The fused update of one stack's local shards.
+
+  With `guard`, also returns what undoing it needs: the local rows the
+  batch references (out of range for invalid entries), their values and
+  their slots' values before the update, and whether every updated row and
+  slot value is finite (all O(batch)).
+  """
   s = topo.num_sc_per_device
   parts = []
   for f in stack.features:
@@ -172,18 +181,71 @@ def _local_update(
   stacked = jnp.concatenate(parts, axis=1).reshape(-1, stack.dim)
   if topo.num_devices > 1:
     stacked = jax.lax.all_gather(stacked, topo.axis, axis=0, tiled=True)
+  buffers = _buffers(stack, topo, inputs)
+  shape = _kernel_shape(stack, topo)
+  slots = tuple(slots)
+  if guard:
+    rows = _referenced_rows(buffers, table, shape)
+    old = (_rows_of(table, rows), tuple(_rows_of(x, rows) for x in slots))
+    hyper = hyper + _zero_depending_on(old)
   # The [S, V_shard, D] table goes in without a reshape: a reshape around
   # the in-place update makes XLA copy the whole table.
-  return kernels.sparse_dense_matmul_grad(
+  new_table, new_slots = kernels.sparse_dense_matmul_grad(
     stacked,
-    *_buffers(stack, topo, inputs),
+    *buffers,
     table,
-    tuple(slots),
+    slots,
     optimizer=stack.optimizer.short_name(),
     hyperparameters=hyper,
     static_attributes=stack.optimizer.static_attributes(),
-    **_kernel_shape(stack, topo),
+    **shape,
   )
+  if not guard:
+    return new_table, new_slots
+  finite = jnp.all(
+    jnp.stack(
+      [
+        jnp.all(jnp.isfinite(_rows_of(x, rows)))
+        for x in (new_table, *new_slots)
+      ]
+    )
+  )
+  bad = jax.lax.psum(jnp.int32(~finite), topo.axis)
+  return new_table, new_slots, (rows, *old, bad == 0)
+
+
+def _zero_depending_on(values) -> jax.Array:
+  """A float32 zero that XLA cannot compute before `values`.
+
+  The rows read before the in-place update must be read before it
+  overwrites them. A data dependency of the update's operands on the reads
+  orders them (fusion does not keep an optimization barrier's order, and
+  without an order XLA copies the whole table to keep the old rows alive).
+  Non-finite values add 0 too.
+  """
+  total = sum(jnp.sum(x) for x in jax.tree.leaves(values))
+  return jnp.where(jnp.abs(total) < 1.0, total, 0.0) * 0.0
+
+
+def _referenced_rows(buffers, table, shape: dict[str, int]) -> jax.Array:
+  """Per entry, its row of the local `[S * V_shard]` rows (or past them)."""
+  buffer_shape = contract.check_buffers(
+    *buffers, table, partition_begin=0, **shape
+  )
+  _, rows, _ = reference.decode_entries(*buffers[:3], buffer_shape)
+  return rows
+
+
+def _rows_of(table: jax.Array, rows: jax.Array) -> jax.Array:
+  """`[E, D]` rows of a `[S, V_shard, D]` table (zeros past its rows)."""
+  v = table.shape[1]
+  return table.at[rows // v, rows % v].get(mode="fill", fill_value=0.0)
+
+
+def _put_rows(table: jax.Array, rows: jax.Array, values: jax.Array):
+  """`table` with `values` written into `rows` (rows past it are skipped)."""
+  v = table.shape[1]
+  return table.at[rows // v, rows % v].set(values, mode="drop")
 
 
 # ---------------------------------------------------------------------------
@@ -293,28 +355,24 @@ def apply_gradients(
     `(new_tables, new_slots)`.
   """
   _check_topology(plan, topology)
-  hyper = {
-    stack.name: jnp.stack(
-      [
-        jnp.asarray(h, jnp.float32)
-        for h in stack.optimizer.get_hyperparameters(step)
-      ]
-    )
-    for stack in plan.stacks
-  }
   return _apply_impl(
-    (plan, topology), tables, slots, inputs, activation_grads, hyper
+    (plan, topology),
+    False,
+    tables,
+    slots,
+    inputs,
+    activation_grads,
+    _hyperparameters(plan, step),
   )
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _apply_impl(static, tables, slots, inputs, activation_grads, hyper):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _apply_impl(static, guard, tables, slots, inputs, activation_grads, hyper):
   plan, topology = static
 
   def body(tables, slots, inputs, grads, hyper):
-    new_tables, new_slots = {}, {}
-    for stack in plan.stacks:
-      new_tables[stack.name], new_slots[stack.name] = _local_update(
+    outs = {
+      stack.name: _local_update(
         stack,
         topology,
         tables[stack.name],
@@ -322,14 +380,21 @@ def _apply_impl(static, tables, slots, inputs, activation_grads, hyper):
         inputs,
         grads,
         hyper[stack.name],
+        guard,
       )
-    return new_tables, new_slots
+      for stack in plan.stacks
+    }
+    count = 3 if guard else 2
+    return tuple({k: v[i] for k, v in outs.items()} for i in range(count))
 
   axis = P(topology.axis)
   table_specs = {stack.name: axis for stack in plan.stacks}
   slot_specs = {
     stack.name: tuple(axis for _ in slots[stack.name]) for stack in plan.stacks
   }
+  out = [table_specs, slot_specs]
+  if guard:
+    out.append({k: (axis, axis, v, P()) for k, v in slot_specs.items()})
   return jax.shard_map(
     body,
     mesh=topology.mesh,
@@ -340,9 +405,134 @@ def _apply_impl(static, tables, slots, inputs, activation_grads, hyper):
       {name: axis for name in activation_grads},
       {stack.name: P() for stack in plan.stacks},
     ),
-    out_specs=(table_specs, slot_specs),
+    out_specs=tuple(out),
     check_vma=False,
   )(tables, slots, inputs, activation_grads, hyper)
+
+
+class UpdateGuard(NamedTuple):
+  """What undoing one layer's fused update needs, per stack (O(batch)).
+
+  Attributes:
+    rows: Per device and entry, the entry's local table row (past the
+      local rows for entries that update nothing).
+    table_rows: Those rows' values before the update.
+    slot_rows: The slots' values of those rows before the update.
+    finite: Whether every updated row and slot value is finite.
+  """
+
+  rows: dict[str, jax.Array]
+  table_rows: dict[str, jax.Array]
+  slot_rows: dict[str, tuple[jax.Array, ...]]
+  finite: dict[str, jax.Array]
+
+
+def apply_gradients_guarded(
+  plan: Plan,
+  topology: Topology,
+  tables: dict[str, jax.Array],
+  slots: dict[str, tuple[jax.Array, ...]],
+  inputs: PreprocessedInput,
+  activation_grads: dict[str, jax.Array],
+  step: jax.Array | int,
+) -> tuple[dict[str, jax.Array], dict[str, tuple[jax.Array, ...]], UpdateGuard]:
+  """`apply_gradients`, plus what `undo_unless` needs to take it back.
+
+  Reading the referenced rows first costs O(batch); the update stays in
+  place.
+
+  Returns:
+    `(new_tables, new_slots, guard)`.
+  """
+  _check_topology(plan, topology)
+  new_tables, new_slots, parts = _apply_impl(
+    (plan, topology),
+    True,
+    tables,
+    slots,
+    inputs,
+    activation_grads,
+    _hyperparameters(plan, step),
+  )
+  fields = zip(*(parts[stack.name] for stack in plan.stacks), strict=True)
+  names = [stack.name for stack in plan.stacks]
+  return (
+    new_tables,
+    new_slots,
+    UpdateGuard(*(dict(zip(names, field, strict=True)) for field in fields)),
+  )
+
+
+def undo_unless(
+  plan: Plan,
+  topology: Topology,
+  tables: dict[str, jax.Array],
+  slots: dict[str, tuple[jax.Array, ...]],
+  guard: UpdateGuard,
+  keep: jax.Array,
+) -> tuple[dict[str, jax.Array], dict[str, tuple[jax.Array, ...]]]:
+  """Unless `keep`, writes the guarded rows' old values back, in place.
+
+  Args:
+    plan: The plan of the layer's specs on the topology.
+    topology: Mesh, sharding axis, SparseCores per device.
+    tables: The updated tables (donate them for an in-place write).
+    slots: The updated slots.
+    guard: From `apply_gradients_guarded`.
+    keep: Scalar bool: keep the update.
+
+  Returns:
+    `(tables, slots)`, restored where `keep` is false.
+  """
+  _check_topology(plan, topology)
+  return _undo_impl((plan, topology), tables, slots, guard, keep)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _undo_impl(static, tables, slots, guard, keep):
+  plan, topology = static
+
+  def body(tables, slots, guard, keep):
+    new_tables, new_slots = {}, {}
+    for stack in plan.stacks:
+      name = stack.name
+      rows = guard.rows[name]
+
+      def restored(x, old, rows=rows):
+        return _put_rows(x, rows, jnp.where(keep, _rows_of(x, rows), old))
+
+      new_tables[name] = restored(tables[name], guard.table_rows[name])
+      new_slots[name] = tuple(
+        restored(x, old)
+        for x, old in zip(slots[name], guard.slot_rows[name], strict=True)
+      )
+    return new_tables, new_slots
+
+  axis = P(topology.axis)
+  table_specs = {stack.name: axis for stack in plan.stacks}
+  slot_specs = {k: tuple(axis for _ in v) for k, v in slots.items()}
+  guard_specs = UpdateGuard(
+    table_specs, table_specs, slot_specs, {k: P() for k in table_specs}
+  )
+  return jax.shard_map(
+    body,
+    mesh=topology.mesh,
+    in_specs=(table_specs, slot_specs, guard_specs, P()),
+    out_specs=(table_specs, slot_specs),
+    check_vma=False,
+  )(tables, slots, guard, keep)
+
+
+def _hyperparameters(plan: Plan, step: jax.Array | int):
+  return {
+    stack.name: jnp.stack(
+      [
+        jnp.asarray(h, jnp.float32)
+        for h in stack.optimizer.get_hyperparameters(step)
+      ]
+    )
+    for stack in plan.stacks
+  }
 
 
 def _check_topology(plan: Plan, topology: Topology) -> None:

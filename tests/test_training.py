@@ -667,3 +667,45 @@ def test_step_updates_table_in_place_without_copies(g):
   }
   offenders = [line for opcode, line in big if opcode not in allowed]
   assert not offenders, "\n".join(offenders)
+
+
+def test_check_finite_catches_overflowing_updates_and_recovers():
+  """Finite loss and gradients whose squares overflow Adam's velocity: the
+  step is refused with every row, slot and dense parameter as it was, and
+  the next step with sane gradients trains."""
+  model = build_model(4, 2, SMALL)
+  grads = {k: jnp.asarray(v) for k, v in act_grads(0, SMALL).items()}
+  huge = {k: v * 1e25 if k == "f_adam" else v for k, v in grads.items()}
+  trainer = SparseCoreTrainer.build(
+    jax.random.key(0), model, optax.sgd(0.1), loss_fn, check_finite=True
+  )
+  inputs, _ = model.embed.preprocess(*make_batch(0, SMALL))
+  before = snapshot(trainer.model.embed)
+  w_before = np.asarray(trainer.model.w.value)
+  with pytest.raises(NonFiniteUpdateError) as info:
+    trainer.step(inputs=inputs, grads=huge)
+  message = str(info.value)
+  assert "step 0" in message
+  assert "emb/adam.embeddings (updated rows)" in message
+  assert "emb/ftrl" not in message
+  after = snapshot(trainer.model.embed)
+  for name in SMALL:
+    np.testing.assert_array_equal(after[0][name], before[0][name])
+    for slot in before[1][name]:
+      np.testing.assert_array_equal(after[1][name][slot], before[1][name][slot])
+  np.testing.assert_array_equal(np.asarray(trainer.model.w.value), w_before)
+  # The next action: a sane step trains, as an unguarded trainer would.
+  plain = SparseCoreTrainer.build(
+    jax.random.key(0), build_model(4, 2, SMALL), optax.sgd(0.1), loss_fn
+  )
+  # The refused step still counted (Adam's bias correction reads it).
+  assert int(trainer.state.value.step) == 1
+  plain.state.value = dataclasses.replace(
+    plain.state.value, step=jnp.ones((), jnp.int32)
+  )
+  trainer.step(inputs=inputs, grads=grads)
+  plain.step(inputs=inputs, grads=grads)
+  ours, theirs = snapshot(trainer.model.embed), snapshot(plain.model.embed)
+  for name in SMALL:
+    np.testing.assert_allclose(ours[0][name], theirs[0][name], rtol=1e-6)
+    assert not np.array_equal(ours[0][name], before[0][name])

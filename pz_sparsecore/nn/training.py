@@ -19,8 +19,10 @@ same loss-function protocol `loss_fn(*, model, state, rng, **kwargs) ->
 
 The step is three parts: `_loss_and_grads` (the loss, the dense and probe
 gradients, the recorded inputs), `_updates` (optax, then the fused update of
-every layer that was called) and `_guarded` (with `check_finite`, a step
-whose loss or gradients are not finite keeps every variable as it was).
+every layer that was called) and, with `check_finite`,
+`_undone_unless_finite`: a step whose loss, gradients or updated rows and
+slots are not finite keeps every variable as it was (the touched rows are
+written back, O(batch)).
 
 The same step can be written by hand with `pz.variable_jit`::
 
@@ -206,21 +208,26 @@ def _updates(
   dense_params: tuple[Any, ...],
   grads: _Gradients,
   active: list[tuple[SparseCoreEmbed, Any, dict[str, jax.Array]]],
-) -> tuple[tuple[Any, ...], Any, dict[str, jax.Array]]:
+  guard: bool,
+) -> tuple[tuple[Any, ...], Any, dict[str, jax.Array], list[Any]]:
   """optax on the dense parameters; the fused update of every called layer.
 
   Returns:
-    The new dense parameters, optimizer state and, by label, the new
-    positional tables and slots of the layers in `active`.
+    The new dense parameters, optimizer state, by label the new positional
+    tables and slots of the layers in `active`, and with `guard` one
+    `parallel.UpdateGuard` per layer in `active` (else an empty list).
   """
   updates, opt_state = optimizer_def.update(
     grads.dense, state.opt_state, dense_params
   )
   new_dense = optax.apply_updates(dense_params, updates)
-  by_label = {}
+  by_label, guards = {}, []
   for embed, inputs, act_grads in active:
     config = embed.config
-    tables, slots = parallel.apply_gradients(
+    apply = (
+      parallel.apply_gradients_guarded if guard else parallel.apply_gradients
+    )
+    tables, slots, *guarded = apply(
       config.plan,
       config.topology,
       table_arrays(embed),
@@ -229,8 +236,9 @@ def _updates(
       act_grads,
       state.step,
     )
+    guards += guarded
     by_label.update(_labelled(embed, tables, slots))
-  return new_dense, opt_state, by_label
+  return new_dense, opt_state, by_label, guards
 
 
 def _finite_flags(
@@ -261,17 +269,39 @@ def _finite_flags(
   return finite
 
 
-def _guarded(
-  check_finite: bool,
+def _undone_unless_finite(
   finite: dict[str, jax.Array],
-  update: Callable[[], Any],
-  keep: Callable[[], Any],
-) -> Any:
-  """`update()`, or with `check_finite` `keep()` unless all is finite."""
-  if not check_finite:
-    return update()
+  active: list[tuple[SparseCoreEmbed, Any, dict[str, jax.Array]]],
+  guards: list[parallel.UpdateGuard],
+  new: dict[str, jax.Array],
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Adds the updated rows' flags to `finite`; undoes every layer's update
+  unless all flags hold. Returns whether they do, and the tables and slots.
+
+  The fused updates ran in place; taking one back writes the O(batch) rows
+  it touched, so a refused step costs what an accepted one does.
+  """
+  for (embed, _, _), guard in zip(active, guards, strict=True):
+    for stack, ok in guard.finite.items():
+      finite[f"{embed.config.table_label(stack)} (updated rows)"] = ok
   ok = jnp.all(jnp.stack(list(finite.values())))
-  return jax.lax.cond(ok, update, keep)
+  out = dict(new)
+  for (embed, _, _), guard in zip(active, guards, strict=True):
+    config = embed.config
+    tables = {
+      s.name: new[config.table_label(s.name)] for s in config.plan.stacks
+    }
+    slots = {
+      s.name: tuple(
+        new[config.slot_label(s.name, slot)] for slot in embed.slots[s.name]
+      )
+      for s in config.plan.stacks
+    }
+    tables, slots = parallel.undo_unless(
+      config.plan, config.topology, tables, slots, guard, ok
+    )
+    out.update(_labelled(embed, tables, slots))
+  return ok, out
 
 
 def _rebuild(variables: tuple[Any, ...], new: dict[str, jax.Array]):
@@ -313,19 +343,22 @@ def _trainer_step(
     if inputs is not None
   ]
 
-  def update():
-    return _updates(options.optimizer_def, state, dense_params, grads, active)
-
-  def keep():
-    old = {}
-    for embed, _, _ in active:
-      old.update(_labelled(embed, table_arrays(embed), slot_arrays(embed)))
-    return dense_params, state.opt_state, old
-
   finite = _finite_flags(grads, embeds, dense_params, options.check_finite)
-  new_dense, opt_state, new = _guarded(
-    options.check_finite, finite, update, keep
+  new_dense, opt_state, new, guards = _updates(
+    options.optimizer_def,
+    state,
+    dense_params,
+    grads,
+    active,
+    options.check_finite,
   )
+  if options.check_finite:
+    ok, new = _undone_unless_finite(finite, active, guards, new)
+    new_dense, opt_state = jax.tree.map(
+      lambda n, o: jnp.where(ok, n, o),
+      (new_dense, opt_state),
+      (dense_params, state.opt_state),
+    )
   # Outputs follow the donated inputs' positional order (state, dense,
   # state vars, tables, slots): jit pairs donated buffers with outputs of the
   # same shape in order, so any other order hands a table's buffer to a slot
@@ -568,7 +601,7 @@ class SparseCoreTrainer(pz.Struct):
         # The old step counter was donated; read the new one.
         step = int(new_internal.step) - 1
         raise NonFiniteUpdateError(
-          f"step {step}: non-finite loss or gradient in "
+          f"step {step}: non-finite loss, gradient or updated rows in "
           f"{', '.join(sorted(bad))}; the update was skipped"
         )
     return aux
