@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BUILD_DEPS := scikit-build-core nanobind jax==0.10.2 jaxlib==0.10.2
 SOURCES := pyproject.toml CMakeLists.txt $(wildcard csrc/*)
 
-.PHONY: demo test lint bench bench-large docs clean
+.PHONY: demo test test-asan lint bench bench-large docs clean
 
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,37 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -n 2
+
+# The kernel tests against the kernels built with AddressSanitizer and
+# UndefinedBehaviorSanitizer: a separate CMake build (not pip's), loaded
+# through PZSC_FFI_LIBRARY, with the sanitizer runtimes preloaded into the
+# uninstrumented Python. Any finding fails the target and is printed (the
+# reports go to $(ASAN_BUILD)/report.*).
+ASAN_BUILD := build/asan
+SANITIZE := -fsanitize=address,undefined -fno-omit-frame-pointer \
+	-fno-sanitize-recover=undefined
+SANITIZER_LOG := $(abspath $(ASAN_BUILD))/report
+# libubsan also pulls in libstdc++ before ASan starts (it intercepts throws).
+SANITIZER_RUNTIMES = $(shell $(CXX) -print-file-name=libasan.so) \
+	$(shell $(CXX) -print-file-name=libubsan.so)
+
+test-asan: $(STAMP)
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+		-DPython_EXECUTABLE=$(abspath $(PY)) \
+		-DCMAKE_CXX_FLAGS="$(SANITIZE)" \
+		-DCMAKE_SHARED_LINKER_FLAGS="$(SANITIZE)"
+	cmake --build $(ASAN_BUILD) -j 2
+	rm -f $(SANITIZER_LOG).*
+	LD_PRELOAD="$(SANITIZER_RUNTIMES)" \
+	ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:log_path=$(SANITIZER_LOG) \
+	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$(SANITIZER_LOG) \
+	PZSC_FFI_LIBRARY="$$(ls $(abspath $(ASAN_BUILD))/_pzsc_ffi*.so)" \
+	$(PY) -m pytest -q -n 2 -p no:cacheprovider \
+		tests/test_kernel_fuzz.py tests/test_kernels.py \
+		|| { cat $(SANITIZER_LOG).* 2>/dev/null; exit 1; }
+	@if ls $(SANITIZER_LOG).* >/dev/null 2>&1; then \
+		cat $(SANITIZER_LOG).*; exit 1; fi
+	@echo "test-asan: no sanitizer findings"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

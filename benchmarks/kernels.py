@@ -1,6 +1,8 @@
 """Benchmark of the CPU kernels against torch, FBGEMM and plain JAX.
 
-Run: ``.venv/bin/python benchmarks/kernels.py`` (prints one table).
+Run: ``.venv/bin/python benchmarks/kernels.py`` (prints two tables);
+``--repeats N`` sets the timed repeats (default 10, or ``PZSC_BENCH_REPEATS``)
+and ``--skip-peers`` times only ours.
 
 Workloads: a ``[vocab, 64]`` f32 table, a batch of 4096 samples with 32 ids
 each (sum combiner), ids uniform or Zipf(1.05); vocab 1M, and 8M for the
@@ -20,10 +22,21 @@ sample), duplicates merged) are built once per workload outside the timing,
 as the host preprocessor would. GB/s counts the embedding bytes a step must
 move: the looked-up rows, plus (backward) each touched row and its slots read
 and written once. Peers' ratio = their time / our time.
+
+The second table puts the fused backward's input pass (row pointer check,
+sortedness scan of the ids; target ``pzsc_check_coo``, the same code the
+backward runs before its first write) beside the backward alone (``bwd``,
+no forward), on the same buffers in the same run: once timed alone (its
+buffers warm in cache) and once right after each backward (its buffers
+evicted by the backward's table traffic). Each is its own XLA call, so both
+figures include one call's dispatch (about 8 us here): upper bounds of what
+the pass adds to the fused backward, where it reads the ids that the row
+sums read next.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import gc
 import os
@@ -36,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pz_sparsecore import buffer_format, kernels
+from pz_sparsecore.kernels import contract, ffi
 
 BATCH = 4096
 IDS_PER_SAMPLE = 32
@@ -74,12 +88,13 @@ def build_buffers(ids: np.ndarray) -> tuple[np.ndarray, ...]:
   return row_pointers, emb, sid, gains
 
 
-def timeit(fn: Callable[[], object], repeats: int = REPEATS) -> float:
+def timeit(fn: Callable[[], object], repeats: int | None = None) -> float:
   """Best wall time of ``fn()`` in ms, after two warm-up calls.
 
   The best (not the median) of the repeats, because the machine may be
   shared: other processes only ever add time.
   """
+  repeats = repeats or REPEATS
   for _ in range(2):
     fn()
   times = []
@@ -91,6 +106,36 @@ def timeit(fn: Callable[[], object], repeats: int = REPEATS) -> float:
 
 
 # --- ours -------------------------------------------------------------------
+
+
+def timeit_pair(
+  first: Callable[[], object], second: Callable[[], object]
+) -> tuple[float, float]:
+  """Best wall times (ms) of ``first()`` and of ``second()`` run right after.
+
+  Like :func:`timeit`, after two warm-up rounds.
+  """
+  times = ([], [])
+  for i in range(REPEATS + 2):
+    for fn, out in zip((first, second), times, strict=True):
+      t = time.perf_counter()
+      fn()
+      if i >= 2:
+        out.append(time.perf_counter() - t)
+  return 1e3 * min(times[0]), 1e3 * min(times[1])
+
+
+def input_pass(bufs, table, layout) -> Callable[[jax.Array], object]:
+  """``f(table)`` runs the backward's input pass on these buffers (blocking).
+
+  The pass reads only the table's shape; ``table`` is the current one (the
+  backward donates its input).
+  """
+  shape = contract.check_buffers(*bufs, table, partition_begin=0, **layout)
+  check = jax.jit(lambda *operands: ffi.check_coo(*operands, shape))
+  if int(check(*bufs, table)) != 0:
+    raise AssertionError("the benchmark's buffers are not sorted")
+  return lambda table: check(*bufs, table).block_until_ready()
 
 
 def bench_ours(table_np, ids, act_grad_np):
@@ -120,15 +165,35 @@ def bench_ours(table_np, ids, act_grad_np):
     )
     return new_table, new_slots
 
+  @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnums=(2,))
+  def backward(table, slots, optimizer, hp, act_grad, bufs):
+    return kernels.sparse_dense_matmul_grad(
+      act_grad,
+      *bufs,
+      table,
+      slots,
+      optimizer=optimizer,
+      hyperparameters=hp,
+      **layout,
+    )
+
   hp = jnp.asarray([LEARNING_RATE], jnp.float32)
+  check = input_pass(bufs, table, layout)
+  res["input pass"] = timeit(lambda: check(table))
   for opt in ("sgd", "adagrad"):
     state = [table, () if opt == "sgd" else (jnp.full_like(table, 0.1),)]
+    runs = {}
+    for key, fn in ((opt, step), (f"bwd {opt}", backward)):
 
-    def run(state=state, opt=opt):
-      state[0], state[1] = step(state[0], state[1], opt, hp, act_grad, bufs)
-      state[0].block_until_ready()
+      def run(state=state, opt=opt, fn=fn):
+        state[0], state[1] = fn(state[0], state[1], opt, hp, act_grad, bufs)
+        state[0].block_until_ready()
 
-    res[opt] = timeit(run)
+      runs[key] = run
+    res[opt] = timeit(runs[opt])
+    res[f"bwd {opt}"], res[f"input pass after {opt}"] = timeit_pair(
+      runs[f"bwd {opt}"], lambda state=state: check(state[0])
+    )
     table = state[0]
     del state
   return res
@@ -296,7 +361,30 @@ def touched_bytes(ids: np.ndarray, op: str) -> int:
   return lookups * row + unique * row * 2 * (1 + slots)
 
 
+def input_pass_lines(label: str, ours: dict[str, float]) -> list[str]:
+  """Rows of the input-pass table for one workload."""
+  lines = []
+  for opt in ("sgd", "adagrad"):
+    bwd = ours[f"bwd {opt}"]
+    warm, cold = ours["input pass"], ours[f"input pass after {opt}"]
+    lines.append(
+      f"{label:<13}{opt:<9}{bwd:>9.2f}{warm:>11.3f}{100 * warm / bwd:>7.2f}"
+      f"{cold:>13.3f}{100 * cold / bwd:>7.2f}"
+    )
+  return lines
+
+
+def _parse_args() -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--repeats", type=int, default=REPEATS)
+  parser.add_argument("--skip-peers", action="store_true")
+  return parser.parse_args()
+
+
 def main() -> None:
+  global REPEATS
+  args = _parse_args()
+  REPEATS = args.repeats
   workloads = [
     (1_000_000, "uniform"),
     (1_000_000, "zipf"),
@@ -307,6 +395,8 @@ def main() -> None:
     ("FBGEMM TBE", bench_fbgemm, _import_fbgemm),
     ("plain JAX", bench_jax, None),
   ]
+  if args.skip_peers:
+    peers = []
   notes = []
   for name, _, probe in peers:
     if probe is not None and (err := probe()[1]) is not None:
@@ -318,6 +408,11 @@ def main() -> None:
     f"{'GB/s':>8}{'x ours':>8}"
   )
   lines = [header, "-" * len(header)]
+  check_header = (
+    f"{'workload':<13}{'bwd':<9}{'bwd ms':>9}{'pass ms':>11}{'%':>7}"
+    f"{'after bwd ms':>13}{'%':>7}"
+  )
+  check_lines = [check_header, "-" * len(check_header)]
   for vocab, dist in workloads:
     ids = make_ids(vocab, dist, rng)
     table = rng.normal(size=(vocab, DIM)).astype(np.float32) * 0.01
@@ -329,6 +424,7 @@ def main() -> None:
         results[name] = fn(table, ids, act_grad)
         gc.collect()
     label = f"{vocab // 1_000_000}M {dist}"
+    check_lines += input_pass_lines(label, results["ours"])
     for op in ("fwd", "sgd", "adagrad"):
       ours = results["ours"][op]
       op_name = "fwd" if op == "fwd" else f"fwd+bwd {op}"
@@ -347,6 +443,8 @@ def main() -> None:
     f"{os.cpu_count()} CPU threads, jax {jax.__version__}"
   )
   print("\n".join(lines))
+  print("\nThe fused backward's input pass (pzsc_check_coo) vs the backward:")
+  print("\n".join(check_lines))
   for note in notes:
     print(note, file=sys.stderr)
 

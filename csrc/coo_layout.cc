@@ -118,6 +118,12 @@ ffi::Error MakeCooView(const LayoutAttrs& attrs,
         Str(attrs.num_segments) + ") times a stride >= num_partitions (" +
         Str(attrs.num_partitions) + ")");
   }
+  if (attrs.samples_per_segment > kMaxOutputs / attrs.num_segments) {
+    return ffi::Error::InvalidArgument(
+        "num_segments * samples_per_segment (" + Str(attrs.num_segments) +
+        " * " + Str(attrs.samples_per_segment) + ") exceeds " +
+        Str(kMaxOutputs) + " output rows");
+  }
   const int64_t table_rows = LeadingRows(table);
   if (table_rows % attrs.rows_per_partition != 0) {
     return ffi::Error::InvalidArgument(
@@ -137,27 +143,32 @@ ffi::Error MakeCooView(const LayoutAttrs& attrs,
   return ffi::Error::Success();
 }
 
-std::vector<Slice> CollectSlices(const CooView& v) {
-  std::vector<Slice> slices;
+ffi::Error CollectSlices(const CooView& v, std::vector<Slice>* slices) {
   const LayoutAttrs& a = v.attrs;
+  slices->clear();
   for (int64_t k = 0; k < a.num_segments; ++k) {
     const int32_t* rp = v.row_pointers + k * v.rp_stride;
-    int64_t prev_end = 0;
+    int64_t begin = 0;
     for (int64_t p = 0; p < a.num_partitions; ++p) {
-      const int64_t begin =
-          p == 0 ? 0 : RoundUp(std::max<int64_t>(prev_end, 0),
-                               kPartitionAlignment);
-      const int64_t end = std::min<int64_t>(rp[p], v.seg_len);
-      prev_end = rp[p];
+      const int64_t end = std::clamp<int64_t>(rp[p], 0, v.seg_len);
       const int64_t local = p - a.partition_begin;
-      if (begin >= end || local < 0 || local >= v.num_table_partitions) {
-        continue;
+      if (begin < end && local >= 0 && local < v.num_table_partitions) {
+        slices->push_back(
+            Slice{k, local, k * v.seg_len + begin, k * v.seg_len + end});
       }
-      slices.push_back(
-          Slice{k, local, k * v.seg_len + begin, k * v.seg_len + end});
+      const int64_t next = RoundUp(end, kPartitionAlignment);
+      if (p + 1 < a.num_partitions && next < begin) {
+        slices->clear();
+        return ffi::Error::InvalidArgument(
+            "row_pointers of segment " + Str(k) + " decrease: partition " +
+            Str(p + 1) + " would start at " + Str(next) + " (rp[" + Str(p) +
+            "] = " + Str(rp[p]) + "), before partition " + Str(p) +
+            " (start " + Str(begin) + ")");
+      }
+      begin = next;
     }
   }
-  return slices;
+  return ffi::Error::Success();
 }
 
 }  // namespace pzsc

@@ -4,17 +4,28 @@
 // Per segment k (0 <= k < num_segments) the COO arrays hold `seg_len` entries
 // at [k * seg_len, (k + 1) * seg_len) and the row pointers `rp_stride` int32
 // values at [k * rp_stride, ...). Partition p of segment k spans the entries
-// [r8(rp[p - 1]), rp[p]) relative to the segment start, with r8(rp[-1]) := 0
-// and r8 rounding up to a multiple of 8; ends are clamped to seg_len and
-// begin >= end means empty. An entry is valid when its id is in
+// [start(p), end(p)) relative to the segment start, with
+// end(p) = clamp(rp[p], 0, seg_len), start(0) = 0 and
+// start(p) = r8(end(p - 1)), r8 rounding up to a multiple of 8;
+// start >= end means empty. Starts that decrease (start(p) < start(p - 1),
+// which would make partitions overlap) are an error: no buffer the
+// preprocessor writes has them. An entry is valid when its id is in
 // [0, rows_per_partition) (and not the padding id) and its sample id is in
-// [0, samples_per_segment). Only partitions in the table's window
-// [partition_begin, partition_begin + num_table_partitions) are used.
+// [0, samples_per_segment); other entries are skipped. Only partitions in
+// the table's window [partition_begin, partition_begin +
+// num_table_partitions) are used. Ids need not be sorted for the handlers to
+// stay inside their buffers (the backward sorts a copy of a slice that is
+// not; see sparse_dense_matmul_grad.cc).
+//
+// Example, seg_len 24, rp = [3, 1, 20]: partition 0 is [0, 3), partition 1
+// [8, 1) is empty, partition 2 is [8, 20); rp = [12, 3, 20] is an error
+// (partition 2 would start at 8, inside partition 0).
 #ifndef PZSC_CSRC_COO_LAYOUT_H_
 #define PZSC_CSRC_COO_LAYOUT_H_
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -28,7 +39,8 @@ inline constexpr int32_t kPadId = 2147483647;
 // Every partition of a segment starts at a multiple of this many entries.
 inline constexpr int64_t kPartitionAlignment = 8;
 
-// Static layout attributes, as passed by the Python wrappers.
+// Static layout attributes: every handler's dictionary attribute "layout",
+// as passed by the Python wrappers (pz_sparsecore/kernels/ffi.py).
 struct LayoutAttrs {
   int64_t num_segments;
   int64_t samples_per_segment;
@@ -68,9 +80,25 @@ struct Slice {
   int64_t end;
 };
 
+// Adds every handler's COO operands to `binding`: row_pointers,
+// embedding_ids, sample_ids, gains and the table.
+template <typename Binding>
+auto BindCooOperands(Binding&& binding) {
+  return std::forward<Binding>(binding)
+      .template Arg<ffi::AnyBuffer>()  // row_pointers
+      .template Arg<ffi::AnyBuffer>()  // embedding_ids
+      .template Arg<ffi::AnyBuffer>()  // sample_ids
+      .template Arg<ffi::AnyBuffer>()  // gains
+      .template Arg<ffi::AnyBuffer>();  // table
+}
+
 // Checks that `buffer` has the given dtype and rank; `name` goes into errors.
 ffi::Error CheckBuffer(const ffi::AnyBuffer& buffer, ffi::DataType dtype,
                        int64_t rank, const char* name);
+
+// Output rows of a call (num_segments * samples_per_segment) may not exceed
+// this (the forward indexes them with int32).
+inline constexpr int64_t kMaxOutputs = 2147483647;
 
 // Validates the COO buffers and the table against `attrs` and fills `view`.
 ffi::Error MakeCooView(const LayoutAttrs& attrs,
@@ -80,8 +108,10 @@ ffi::Error MakeCooView(const LayoutAttrs& attrs,
                        const ffi::AnyBuffer& gains,
                        const ffi::AnyBuffer& table, CooView* view);
 
-// Non-empty slices of partitions inside the table window, segment-major.
-std::vector<Slice> CollectSlices(const CooView& view);
+// Fills `slices` with the non-empty slices of partitions inside the table
+// window, segment-major; an error (and nothing filled) if the partition
+// starts of a segment decrease. Reads only the row pointers.
+ffi::Error CollectSlices(const CooView& view, std::vector<Slice>* slices);
 
 // Rows of a table-like buffer of rank >= 2: the product of all but the last
 // dimension (tables may be passed as [shards, rows, dim] without a reshape,
@@ -97,5 +127,12 @@ ffi::Error CheckMatrix(const ffi::AnyBuffer& buffer, int64_t rows,
                        int64_t cols, const char* name);
 
 }  // namespace pzsc
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    pzsc::LayoutAttrs, xla::ffi::StructMember<int64_t>("num_segments"),
+    xla::ffi::StructMember<int64_t>("samples_per_segment"),
+    xla::ffi::StructMember<int64_t>("num_partitions"),
+    xla::ffi::StructMember<int64_t>("rows_per_partition"),
+    xla::ffi::StructMember<int64_t>("partition_begin"));
 
 #endif  // PZSC_CSRC_COO_LAYOUT_H_

@@ -16,13 +16,15 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradAdagradCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradAdagradMomentumCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradAdamCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradFtrlCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(CheckCooCpu);
 #ifdef PZSC_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradSgdCuda);
 #endif
 
-// Bumped whenever a handler's operands or attributes change.
-constexpr int kAbiVersion = 2;
+// Bumped whenever a handler's operands, attributes or contract change, or a
+// target is added or removed (pz_sparsecore/kernels/ffi.py: ABI_VERSION).
+constexpr int kAbiVersion = 3;
 }  // namespace pzsc
 
 namespace {
@@ -57,6 +59,7 @@ NB_MODULE(_pzsc_ffi, m) {
         Capsule(pzsc::SparseDenseMatmulGradAdamCpu));
     add("pzsc_sparse_dense_matmul_grad_ftrl", "cpu",
         Capsule(pzsc::SparseDenseMatmulGradFtrlCpu));
+    add("pzsc_check_coo", "cpu", Capsule(pzsc::CheckCooCpu));
 #ifdef PZSC_WITH_CUDA
     add("pzsc_sparse_dense_matmul", "CUDA",
         Capsule(pzsc::SparseDenseMatmulCuda));

@@ -73,9 +73,9 @@ inline int64_t LowerBound(const int32_t* ids, int64_t begin, int64_t end,
 }
 
 struct Cursor {
+  const SortedRun* run;
   int64_t pos;
   int64_t end;
-  int64_t out_base;  // segment * samples_per_segment
 };
 
 // Fixed-width row sums of the forward: 16 floats per vector (one zmm on
@@ -142,7 +142,9 @@ void ForwardOutputRange(const CooView& view, const std::vector<Slice>& slices,
       const bool keep = id != kPadId && static_cast<uint32_t>(id) < rpp &&
                         static_cast<uint32_t>(sid) < spp &&
                         static_cast<uint64_t>(r) < static_cast<uint64_t>(width);
-      entries[n] = {(row_base + id) * dim, gains[j], static_cast<int32_t>(r)};
+      // Offsets of skipped entries are never formed (they could overflow).
+      entries[n] = {keep ? (row_base + id) * dim : 0, gains[j],
+                    static_cast<int32_t>(keep ? r : 0)};
       n += keep;
     }
   }
@@ -191,15 +193,20 @@ void ForwardOutputRange(const CooView& view, const std::vector<Slice>& slices,
 }
 
 PZSC_MULTIVERSION
+bool IdsSorted(const int32_t* ids, int64_t n) {
+  // OR-ing the comparisons (no early exit, no carried count) vectorises.
+  int32_t descents = 0;
+  for (int64_t j = 1; j < n; ++j) descents |= ids[j] < ids[j - 1];
+  return descents == 0;
+}
+
+PZSC_MULTIVERSION
 void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
                   int64_t key_end) {
   const CooView& v = *plan.view;
   const int64_t rpp = v.attrs.rows_per_partition;
   const int64_t spp = v.attrs.samples_per_segment;
   const int64_t dim = v.dim;
-  const int32_t* __restrict ids = v.ids;
-  const int32_t* __restrict sids = v.sample_ids;
-  const float* __restrict gains = v.gains;
   const float* __restrict grad = plan.activation_grad;
   const int num_slots = NumSlots(plan.optimizer);
   std::vector<float> acc_storage(dim);
@@ -208,40 +215,53 @@ void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
   if (key_begin >= key_end) return;
   const int64_t p_first = key_begin / rpp;
   const int64_t p_last = (key_end - 1) / rpp;
-  for (int64_t p = p_first; p <= p_last; ++p) {
+  const std::vector<SortedRun>& runs = *plan.runs;
+  auto r = std::lower_bound(
+      runs.begin(), runs.end(), p_first,
+      [](const SortedRun& run, int64_t p) { return run.partition < p; });
+  while (r != runs.end() && r->partition <= p_last) {
+    const int64_t p = r->partition;
     const int64_t row_lo = std::max<int64_t>(key_begin - p * rpp, 0);
     const int64_t row_hi =
         std::min<int64_t>(std::min<int64_t>(key_end - p * rpp, rpp), kPadId);
     cursors.clear();
-    for (const Slice& s : (*plan.parts)[p]) {
-      const int64_t lo = LowerBound(ids, s.begin, s.end, row_lo);
-      const int64_t hi = LowerBound(ids, lo, s.end, row_hi);
-      if (lo < hi) cursors.push_back({lo, hi, s.segment * spp});
+    for (; r != runs.end() && r->partition == p; ++r) {
+      const int64_t lo = LowerBound(r->ids, 0, r->size, row_lo);
+      const int64_t hi = LowerBound(r->ids, lo, r->size, row_hi);
+      if (lo < hi) cursors.push_back({&*r, lo, hi});
     }
     const int64_t table_base = p * rpp;
     while (true) {
       int64_t row = std::numeric_limits<int64_t>::max();
       for (const Cursor& c : cursors) {
-        if (c.pos < c.end) row = std::min<int64_t>(row, ids[c.pos]);
+        if (c.pos < c.end) row = std::min<int64_t>(row, c.run->ids[c.pos]);
       }
       if (row == std::numeric_limits<int64_t>::max()) break;
       bool referenced = false;
       for (int64_t i = 0; i < dim; ++i) acc[i] = 0.0f;
       for (Cursor& c : cursors) {
-        if (c.pos + kPrefetchDistance < c.end) {
+        // Locals, so that the stores into `acc` cannot alias them.
+        const int32_t* __restrict ids = c.run->ids;
+        const int32_t* __restrict sids = c.run->sample_ids;
+        const float* __restrict gains = c.run->gains;
+        const float* __restrict run_grad = grad + c.run->out_base * dim;
+        const int64_t end = c.end;
+        int64_t pos = c.pos;
+        if (pos + kPrefetchDistance < end) {
           const int64_t ahead =
-              (table_base + ids[c.pos + kPrefetchDistance]) * dim;
+              (table_base + ids[pos + kPrefetchDistance]) * dim;
           PrefetchRowForWrite(plan.table + ahead, dim);
           for (int s = 0; s < num_slots; ++s) {
             PrefetchRowForWrite(plan.slots[s] + ahead, dim);
           }
         }
-        for (; c.pos < c.end && ids[c.pos] == row; ++c.pos) {
-          const int32_t sid = sids[c.pos];
+        for (; pos < end && ids[pos] == row; ++pos) {
+          const int32_t sid = sids[pos];
           if (sid < 0 || sid >= spp) continue;
           referenced = true;
-          Axpy(gains[c.pos], grad + (c.out_base + sid) * dim, acc, dim);
+          Axpy(gains[pos], run_grad + sid * dim, acc, dim);
         }
+        c.pos = pos;
       }
       if (!referenced) continue;
       const int64_t off = (table_base + row) * dim;

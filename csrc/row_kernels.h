@@ -11,11 +11,24 @@
 
 namespace pzsc {
 
-// Everything BackwardKeys needs; `parts[p]` holds partition p's slices in
-// segment order (entries sorted by row within a slice).
+// One (segment, partition) slice's entries as the backward reads them,
+// sorted by id: the buffers themselves when the slice is sorted, else a
+// sorted copy of its valid entries (sparse_dense_matmul_grad.cc).
+struct SortedRun {
+  const int32_t* ids;
+  const int32_t* sample_ids;
+  const float* gains;
+  int64_t size;
+  int64_t partition;  // Relative to partition_begin (table shard index).
+  int64_t out_base;   // segment * samples_per_segment
+};
+
+// Everything BackwardKeys needs; `runs` are ordered by partition, then
+// segment (only partitions with entries have runs, so the plan's size does
+// not depend on the table's).
 struct BackwardPlan {
   const CooView* view;
-  const std::vector<std::vector<Slice>>* parts;
+  const std::vector<SortedRun>* runs;
   const float* activation_grad;
   float* table;
   float* slots[kMaxSlots];
@@ -57,9 +70,15 @@ void ForwardOutputRange(const CooView& view, const std::vector<Slice>& slices,
                         const float* table, int64_t out_begin, int64_t out_end,
                         float* out, ForwardScratch* scratch);
 
+// Whether ids[0, n) is non-decreasing (one vectorised pass, no early exit).
+bool IdsSorted(const int32_t* ids, int64_t n);
+
 // Updates every referenced table row whose key p * rows_per_partition + row
 // lies in [key_begin, key_end): sums gain * activation_grad over all its
-// entries (segment order, then buffer order), then applies the optimizer.
+// entries (segment order, then run order), then applies the optimizer.
+// Binary-searches the key range in each run, so the runs must be sorted by
+// id; ids outside [0, rows_per_partition) and invalid sample ids are then
+// never used as offsets.
 void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
                   int64_t key_end);
 

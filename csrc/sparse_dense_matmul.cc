@@ -51,10 +51,7 @@ ffi::Error SparseDenseMatmulImpl(
     ffi::ThreadPool pool, ffi::AnyBuffer row_pointers,
     ffi::AnyBuffer embedding_ids, ffi::AnyBuffer sample_ids,
     ffi::AnyBuffer gains, ffi::AnyBuffer table, ffi::Result<ffi::AnyBuffer> out,
-    int64_t num_segments, int64_t samples_per_segment, int64_t num_partitions,
-    int64_t rows_per_partition, int64_t partition_begin) {
-  const LayoutAttrs attrs{num_segments, samples_per_segment, num_partitions,
-                          rows_per_partition, partition_begin};
+    LayoutAttrs attrs) {
   CooView view;
   if (auto err = MakeCooView(attrs, row_pointers, embedding_ids, sample_ids,
                              gains, table, &view);
@@ -66,12 +63,13 @@ ffi::Error SparseDenseMatmulImpl(
       err.failure()) {
     return err;
   }
+  std::vector<Slice> slices;
+  if (auto err = CollectSlices(view, &slices); err.failure()) return err;
   const float* table_data = table.typed_data<float>();
   float* out_data = out->typed_data<float>();
   if (view.dim == 0 || num_out == 0) return ffi::Error::Success();
   AdviseHugePages(table_data, table.size_bytes());
 
-  const std::vector<Slice> slices = CollectSlices(view);
   int64_t total = 0;
   for (const Slice& s : slices) total += s.end - s.begin;
   const int64_t ranges = std::max<int64_t>(
@@ -88,19 +86,10 @@ ffi::Error SparseDenseMatmulImpl(
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseDenseMatmulCpu, SparseDenseMatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // row_pointers
-                                  .Arg<ffi::AnyBuffer>()  // embedding_ids
-                                  .Arg<ffi::AnyBuffer>()  // sample_ids
-                                  .Arg<ffi::AnyBuffer>()  // gains
-                                  .Arg<ffi::AnyBuffer>()  // table
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Attr<int64_t>("num_segments")
-                                  .Attr<int64_t>("samples_per_segment")
-                                  .Attr<int64_t>("num_partitions")
-                                  .Attr<int64_t>("rows_per_partition")
-                                  .Attr<int64_t>("partition_begin"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    SparseDenseMatmulCpu, SparseDenseMatmulImpl,
+    BindCooOperands(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())
+        .Ret<ffi::AnyBuffer>()  // out
+        .Attr<LayoutAttrs>("layout"));
 
 }  // namespace pzsc

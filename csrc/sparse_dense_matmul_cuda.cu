@@ -9,10 +9,19 @@
 // update with the summed row gradient; clipping runs afterwards, once the
 // sums are complete. Unlike the CPU handlers, the summation order (and so
 // the last bits of the result) is not deterministic.
+//
+// Same contract as the CPU handlers (coo_layout.h) for any buffer contents:
+// every entry is checked on its own (ids need not be sorted), and row
+// pointers whose partition starts decrease are an error. That check reads
+// the row pointers on the host: each call copies them (num_segments x
+// rp_stride int32) to the host and synchronises the stream before launching
+// anything. Every CUDA call's status is checked; a failure is returned as an
+// error naming the call.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "coo_layout.h"
 #include "xla/ffi/api/ffi.h"
@@ -22,6 +31,10 @@ namespace {
 
 constexpr int kWarpSize = 32;
 constexpr int kWarpsPerBlock = 8;
+// The grid's y dimension (segments) is at most this.
+constexpr int64_t kMaxGridY = 65535;
+// The grid's x dimension (partitions) is at most this.
+constexpr int64_t kMaxGridX = 2147483647;
 
 struct DeviceLayout {
   const int32_t* row_pointers;
@@ -47,6 +60,10 @@ DeviceLayout MakeDeviceLayout(const CooView& v) {
                       v.num_table_partitions, v.dim};
 }
 
+__device__ int64_t Clamp(int64_t v, int64_t hi) {
+  return v < 0 ? 0 : (v > hi ? hi : v);
+}
+
 // Entry range [*begin, *end) (absolute) of block (segment, partition); false
 // if the partition is empty or outside the table window.
 __device__ bool PartitionRange(const DeviceLayout& l, int64_t k, int64_t p,
@@ -54,11 +71,11 @@ __device__ bool PartitionRange(const DeviceLayout& l, int64_t k, int64_t p,
   const int32_t* rp = l.row_pointers + k * l.rp_stride;
   int64_t b = 0;
   if (p > 0) {
-    const int64_t prev = rp[p - 1] > 0 ? rp[p - 1] : 0;
+    const int64_t prev = Clamp(rp[p - 1], l.seg_len);
     b = (prev + kPartitionAlignment - 1) / kPartitionAlignment *
         kPartitionAlignment;
   }
-  const int64_t e = rp[p] < l.seg_len ? rp[p] : l.seg_len;
+  const int64_t e = Clamp(rp[p], l.seg_len);
   const int64_t local = p - l.partition_begin;
   if (b >= e || local < 0 || local >= l.num_table_partitions) return false;
   *begin = k * l.seg_len + b;
@@ -131,13 +148,29 @@ __global__ void ClipKernel(DeviceLayout l, float lo, float hi, float* table) {
   }
 }
 
-ffi::Error LastCudaError(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string(what) + ": " +
-                                cudaGetErrorString(err));
+ffi::Error CudaError(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(what) + ": " +
+                              cudaGetErrorString(err));
+}
+
+#define PZSC_CUDA_RETURN_IF_ERROR(call)                           \
+  if (ffi::Error err = CudaError((call), #call); err.failure()) { \
+    return err;                                                   \
   }
-  return ffi::Error::Success();
+
+// Checks the row pointers as the CPU handlers do (CollectSlices on a host
+// copy): an error if a segment's partition starts decrease.
+ffi::Error CheckRowPointers(cudaStream_t stream, const CooView& view) {
+  std::vector<int32_t> host(view.attrs.num_segments * view.rp_stride);
+  PZSC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host.data(), view.row_pointers,
+                                            host.size() * sizeof(int32_t),
+                                            cudaMemcpyDeviceToHost, stream));
+  PZSC_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  CooView on_host = view;
+  on_host.row_pointers = host.data();
+  std::vector<Slice> slices;
+  return CollectSlices(on_host, &slices);
 }
 
 dim3 Grid(const CooView& v) {
@@ -145,16 +178,23 @@ dim3 Grid(const CooView& v) {
               static_cast<unsigned>(v.attrs.num_segments));
 }
 
+// Checks the layout fits one launch grid, then the row pointers.
+ffi::Error CheckLaunch(cudaStream_t stream, const CooView& view) {
+  if (view.attrs.num_segments > kMaxGridY ||
+      view.attrs.num_partitions > kMaxGridX) {
+    return ffi::Error::InvalidArgument(
+        "the CUDA handlers take at most " + std::to_string(kMaxGridY) +
+        " segments and " + std::to_string(kMaxGridX) + " partitions");
+  }
+  return CheckRowPointers(stream, view);
+}
+
 ffi::Error ForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer row_pointers,
                            ffi::AnyBuffer embedding_ids,
                            ffi::AnyBuffer sample_ids, ffi::AnyBuffer gains,
                            ffi::AnyBuffer table,
                            ffi::Result<ffi::AnyBuffer> out,
-                           int64_t num_segments, int64_t samples_per_segment,
-                           int64_t num_partitions, int64_t rows_per_partition,
-                           int64_t partition_begin) {
-  const LayoutAttrs attrs{num_segments, samples_per_segment, num_partitions,
-                          rows_per_partition, partition_begin};
+                           LayoutAttrs attrs) {
   CooView view;
   if (auto err = MakeCooView(attrs, row_pointers, embedding_ids, sample_ids,
                              gains, table, &view);
@@ -165,13 +205,17 @@ ffi::Error ForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer row_pointers,
       err.failure()) {
     return err;
   }
-  cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);
+  if (auto err = CheckLaunch(stream, view); err.failure()) return err;
+  if (out->size_bytes() == 0) return ffi::Error::Success();
+  PZSC_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream));
   if (view.dim > 0 && view.seg_len > 0) {
     ForwardKernel<<<Grid(view), kWarpSize * kWarpsPerBlock, 0, stream>>>(
         MakeDeviceLayout(view), table.typed_data<float>(),
         out->typed_data<float>());
+    PZSC_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
-  return LastCudaError("pzsc_sparse_dense_matmul (CUDA)");
+  return ffi::Error::Success();
 }
 
 ffi::Error SgdCudaImpl(cudaStream_t stream, ffi::AnyBuffer activation_grad,
@@ -180,13 +224,9 @@ ffi::Error SgdCudaImpl(cudaStream_t stream, ffi::AnyBuffer activation_grad,
                        ffi::AnyBuffer gains, ffi::AnyBuffer table,
                        ffi::RemainingArgs rest,
                        ffi::Result<ffi::AnyBuffer> table_out,
-                       ffi::RemainingRets slots_out, int64_t num_segments,
-                       int64_t samples_per_segment, int64_t num_partitions,
-                       int64_t rows_per_partition, int64_t partition_begin,
+                       ffi::RemainingRets slots_out, LayoutAttrs attrs,
                        bool clip, float clip_min, float clip_max,
                        bool /*multiply_linear_by_learning_rate*/) {
-  const LayoutAttrs attrs{num_segments, samples_per_segment, num_partitions,
-                          rows_per_partition, partition_begin};
   CooView view;
   if (auto err = MakeCooView(attrs, row_pointers, embedding_ids, sample_ids,
                              gains, table, &view);
@@ -219,59 +259,46 @@ ffi::Error SgdCudaImpl(cudaStream_t stream, ffi::AnyBuffer activation_grad,
   if (clip && !(clip_min <= clip_max)) {
     return ffi::Error::InvalidArgument("clip_min must be <= clip_max");
   }
-  if (table.untyped_data() != table_out->untyped_data()) {
-    cudaMemcpyAsync(table_out->untyped_data(), table.untyped_data(),
-                    table.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+  if (auto err = CheckLaunch(stream, view); err.failure()) return err;
+  // Nothing is written before this point.
+  if (table.size_bytes() > 0 &&
+      table.untyped_data() != table_out->untyped_data()) {
+    PZSC_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(table_out->untyped_data(), table.untyped_data(),
+                        table.size_bytes(), cudaMemcpyDeviceToDevice, stream));
   }
   if (view.dim > 0 && view.seg_len > 0) {
     const DeviceLayout l = MakeDeviceLayout(view);
     float* w = table_out->typed_data<float>();
     SgdKernel<<<Grid(view), kWarpSize * kWarpsPerBlock, 0, stream>>>(
         l, activation_grad.typed_data<float>(), hyper->typed_data<float>(), w);
+    PZSC_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     if (clip) {
       ClipKernel<<<Grid(view), kWarpSize * kWarpsPerBlock, 0, stream>>>(
           l, clip_min, clip_max, w);
+      PZSC_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     }
   }
-  return LastCudaError("pzsc_sparse_dense_matmul_grad_sgd (CUDA)");
+  return ffi::Error::Success();
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SparseDenseMatmulCuda, ForwardCudaImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Arg<ffi::AnyBuffer>()  // row_pointers
-        .Arg<ffi::AnyBuffer>()  // embedding_ids
-        .Arg<ffi::AnyBuffer>()  // sample_ids
-        .Arg<ffi::AnyBuffer>()  // gains
-        .Arg<ffi::AnyBuffer>()  // table
+    BindCooOperands(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
         .Ret<ffi::AnyBuffer>()  // out
-        .Attr<int64_t>("num_segments")
-        .Attr<int64_t>("samples_per_segment")
-        .Attr<int64_t>("num_partitions")
-        .Attr<int64_t>("rows_per_partition")
-        .Attr<int64_t>("partition_begin"));
+        .Attr<LayoutAttrs>("layout"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SparseDenseMatmulGradSgdCuda, SgdCudaImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Arg<ffi::AnyBuffer>()  // activation_grad
-        .Arg<ffi::AnyBuffer>()  // row_pointers
-        .Arg<ffi::AnyBuffer>()  // embedding_ids
-        .Arg<ffi::AnyBuffer>()  // sample_ids
-        .Arg<ffi::AnyBuffer>()  // gains
-        .Arg<ffi::AnyBuffer>()  // table
-        .RemainingArgs()        // hyperparameters
-        .Ret<ffi::AnyBuffer>()  // table (aliased)
-        .RemainingRets()        // no slots
-        .Attr<int64_t>("num_segments")
-        .Attr<int64_t>("samples_per_segment")
-        .Attr<int64_t>("num_partitions")
-        .Attr<int64_t>("rows_per_partition")
-        .Attr<int64_t>("partition_begin")
+    BindCooOperands(ffi::Ffi::Bind()
+                        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                        .Arg<ffi::AnyBuffer>())  // activation_grad
+        .RemainingArgs()                         // hyperparameters
+        .Ret<ffi::AnyBuffer>()                   // table (aliased)
+        .RemainingRets()                         // no slots
+        .Attr<LayoutAttrs>("layout")
         .Attr<bool>("clip")
         .Attr<float>("clip_min")
         .Attr<float>("clip_max")

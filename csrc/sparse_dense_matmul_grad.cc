@@ -10,8 +10,21 @@
 // row gradient sum(gain * activation_grad[k * samples_per_segment + sid]) over
 // all its entries (all segments) is formed in a fixed order and the optimizer
 // is applied once; other rows and slots are not touched. Work and scratch are
-// O(entries + threads), independent of R. Requires each (segment, partition)
-// slice to be sorted by row, as the preprocessor writes it.
+// O(entries + threads), independent of R.
+//
+// The row sums binary-search each (segment, partition) slice by id, so they
+// need the slice sorted by id, as the preprocessor writes it. A pass over
+// the ids checks that (O(entries), a few microseconds per 100k entries); a
+// slice that is not sorted has its valid entries copied into scratch and
+// stably sorted by id, so any buffer contents give the reference's result
+// (entries of one row still sum in buffer order). Every check and all of
+// that preparation run before the first write: a call that returns an error
+// leaves the table and slots unchanged.
+//
+// pzsc_check_coo runs that input pass alone (decoding, row pointer check,
+// sortedness scan, sorted copies) and returns the number of slices it had to
+// copy; the layer never calls it, the benchmark times it against the
+// backward.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -38,6 +51,7 @@ constexpr int64_t kSamplesPerChunk = 16;
 // huge pages behind `to` (see huge_pages.h). A fresh `to` is advised before
 // the copy, so that the copy faults it in as huge pages directly.
 void CopyIfDistinct(const ffi::AnyBuffer& from, ffi::AnyBuffer& to) {
+  if (from.size_bytes() == 0) return;
   if (from.untyped_data() != to.untyped_data()) {
     AdviseHugePagesBeforeFirstTouch(to.untyped_data(), to.size_bytes());
     std::memcpy(to.untyped_data(), from.untyped_data(), from.size_bytes());
@@ -45,26 +59,104 @@ void CopyIfDistinct(const ffi::AnyBuffer& from, ffi::AnyBuffer& to) {
   AdviseHugePages(to.untyped_data(), to.size_bytes());
 }
 
+// The backward's view of the entries: the slices as runs sorted by id, in
+// partition then segment order, plus the storage of the sorted copies.
+struct PreparedRuns {
+  std::vector<SortedRun> runs;
+  std::vector<int32_t> ids;
+  std::vector<int32_t> sample_ids;
+  std::vector<float> gains;
+  int64_t copied_slices = 0;
+  int64_t total = 0;  // Entries over all runs.
+};
+
+// One entry of a sorted copy.
+struct CopiedEntry {
+  int32_t id;
+  int32_t sample_id;
+  float gain;
+};
+
+// Fills `out` from the view's slices (CollectSlices: an error if the row
+// pointers decrease, and nothing filled): sorted slices are used in place;
+// the valid entries of the others are copied and stably sorted by id.
+ffi::Error PrepareRuns(const CooView& view, PreparedRuns* out) {
+  std::vector<Slice> slices;
+  if (auto err = CollectSlices(view, &slices); err.failure()) return err;
+  std::vector<char> sorted(slices.size());
+  int64_t copied = 0;
+  for (size_t i = 0; i < slices.size(); ++i) {
+    const Slice& s = slices[i];
+    sorted[i] = IdsSorted(view.ids + s.begin, s.end - s.begin);
+    if (!sorted[i]) copied += s.end - s.begin;
+  }
+  // Sized once: the runs point into these vectors.
+  out->ids.resize(copied);
+  out->sample_ids.resize(copied);
+  out->gains.resize(copied);
+  out->runs.clear();
+  out->runs.reserve(slices.size());
+  out->copied_slices = 0;
+  out->total = 0;
+  std::vector<CopiedEntry> entries;
+  int64_t at = 0;
+  for (size_t i = 0; i < slices.size(); ++i) {
+    const Slice& s = slices[i];
+    const int64_t out_base = s.segment * view.attrs.samples_per_segment;
+    SortedRun run{view.ids + s.begin, view.sample_ids + s.begin,
+                  view.gains + s.begin, s.end - s.begin, s.partition,
+                  out_base};
+    if (!sorted[i]) {
+      entries.clear();
+      for (int64_t j = s.begin; j < s.end; ++j) {
+        if (view.ValidEntry(j)) {
+          entries.push_back({view.ids[j], view.sample_ids[j], view.gains[j]});
+        }
+      }
+      std::stable_sort(entries.begin(), entries.end(),
+                       [](const CopiedEntry& a, const CopiedEntry& b) {
+                         return a.id < b.id;
+                       });
+      const int64_t n = static_cast<int64_t>(entries.size());
+      for (int64_t j = 0; j < n; ++j) {
+        out->ids[at + j] = entries[j].id;
+        out->sample_ids[at + j] = entries[j].sample_id;
+        out->gains[at + j] = entries[j].gain;
+      }
+      run = SortedRun{out->ids.data() + at, out->sample_ids.data() + at,
+                      out->gains.data() + at, n, s.partition, out_base};
+      at += n;
+      ++out->copied_slices;
+    }
+    out->total += run.size;
+    out->runs.push_back(run);
+  }
+  // Slices come segment-major: a stable sort keeps segment order.
+  std::stable_sort(out->runs.begin(), out->runs.end(),
+                   [](const SortedRun& a, const SortedRun& b) {
+                     return a.partition < b.partition;
+                   });
+  return ffi::Error::Success();
+}
+
 // Splits the key space [0, num_table_partitions * rpp) into chunks of about
 // equal entry counts; returns the chunk boundaries (first 0, last the end).
-std::vector<int64_t> SplitKeys(const CooView& view,
-                               const std::vector<Slice>& slices,
+std::vector<int64_t> SplitKeys(const CooView& view, const PreparedRuns& runs,
                                int64_t num_workers) {
   const int64_t rpp = view.attrs.rows_per_partition;
   const int64_t key_end = view.num_table_partitions * rpp;
-  int64_t total = 0;
-  for (const Slice& s : slices) total += s.end - s.begin;
   const int64_t chunks = std::max<int64_t>(
-      1, std::min(num_workers * kChunksPerWorker, total / kMinEntriesPerChunk));
+      1, std::min(num_workers * kChunksPerWorker,
+                  runs.total / kMinEntriesPerChunk));
   std::vector<int64_t> bounds = {0};
   if (chunks > 1) {
     const int64_t stride =
-        std::max<int64_t>(1, total / (chunks * kSamplesPerChunk));
+        std::max<int64_t>(1, runs.total / (chunks * kSamplesPerChunk));
     std::vector<int64_t> samples;
-    for (const Slice& s : slices) {
-      for (int64_t j = s.begin; j < s.end; j += stride) {
-        const int64_t id = std::clamp<int64_t>(view.ids[j], 0, rpp);
-        samples.push_back(s.partition * rpp + id);
+    for (const SortedRun& run : runs.runs) {
+      for (int64_t j = 0; j < run.size; j += stride) {
+        const int64_t id = std::clamp<int64_t>(run.ids[j], 0, rpp);
+        samples.push_back(run.partition * rpp + id);
       }
     }
     std::sort(samples.begin(), samples.end());
@@ -78,25 +170,18 @@ std::vector<int64_t> SplitKeys(const CooView& view,
   return bounds;
 }
 
+// Checks the operands beyond the COO buffers: the activation gradient, the
+// table result, the slots and their results, the hyperparameters and the
+// clip range.
 template <Optimizer kOpt>
-ffi::Error SparseDenseMatmulGradImpl(
-    ffi::ThreadPool pool, ffi::AnyBuffer activation_grad,
-    ffi::AnyBuffer row_pointers, ffi::AnyBuffer embedding_ids,
-    ffi::AnyBuffer sample_ids, ffi::AnyBuffer gains, ffi::AnyBuffer table,
-    ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> table_out,
-    ffi::RemainingRets slots_out, int64_t num_segments,
-    int64_t samples_per_segment, int64_t num_partitions,
-    int64_t rows_per_partition, int64_t partition_begin, bool clip,
-    float clip_min, float clip_max, bool multiply_linear_by_learning_rate) {
+ffi::Error CheckGradOperands(const CooView& view,
+                             const ffi::AnyBuffer& activation_grad,
+                             const ffi::AnyBuffer& table,
+                             ffi::RemainingArgs rest,
+                             ffi::Result<ffi::AnyBuffer> table_out,
+                             ffi::RemainingRets slots_out, bool clip,
+                             float clip_min, float clip_max) {
   constexpr int kSlots = NumSlots(kOpt);
-  const LayoutAttrs attrs{num_segments, samples_per_segment, num_partitions,
-                          rows_per_partition, partition_begin};
-  CooView view;
-  if (auto err = MakeCooView(attrs, row_pointers, embedding_ids, sample_ids,
-                             gains, table, &view);
-      err.failure()) {
-    return err;
-  }
   const int64_t num_rows = LeadingRows(table);
   if (auto err = CheckMatrix(activation_grad, view.num_outputs(), view.dim,
                              "activation_grad");
@@ -112,8 +197,6 @@ ffi::Error SparseDenseMatmulGradImpl(
       err.failure()) {
     return err;
   }
-  CopyIfDistinct(table, *table_out);
-  BackwardPlan plan{};
   for (int s = 0; s < kSlots; ++s) {
     auto slot = rest.get<ffi::AnyBuffer>(s);
     auto slot_out = slots_out.get<ffi::AnyBuffer>(s);
@@ -127,8 +210,6 @@ ffi::Error SparseDenseMatmulGradImpl(
         err.failure()) {
       return err;
     }
-    CopyIfDistinct(*slot, **slot_out);
-    plan.slots[s] = (*slot_out)->typed_data<float>();
   }
   auto hyper = rest.get<ffi::AnyBuffer>(kSlots);
   if (hyper.has_error()) return hyper.error();
@@ -145,56 +226,101 @@ ffi::Error SparseDenseMatmulGradImpl(
   if (clip && !(clip_min <= clip_max)) {
     return ffi::Error::InvalidArgument("clip_min must be <= clip_max");
   }
+  return ffi::Error::Success();
+}
+
+template <Optimizer kOpt>
+ffi::Error SparseDenseMatmulGradImpl(
+    ffi::ThreadPool pool, ffi::AnyBuffer activation_grad,
+    ffi::AnyBuffer row_pointers, ffi::AnyBuffer embedding_ids,
+    ffi::AnyBuffer sample_ids, ffi::AnyBuffer gains, ffi::AnyBuffer table,
+    ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> table_out,
+    ffi::RemainingRets slots_out, LayoutAttrs attrs, bool clip,
+    float clip_min, float clip_max, bool multiply_linear_by_learning_rate) {
+  constexpr int kSlots = NumSlots(kOpt);
+  CooView view;
+  if (auto err = MakeCooView(attrs, row_pointers, embedding_ids, sample_ids,
+                             gains, table, &view);
+      err.failure()) {
+    return err;
+  }
+  if (auto err = CheckGradOperands<kOpt>(view, activation_grad, table, rest,
+                                         table_out, slots_out, clip, clip_min,
+                                         clip_max);
+      err.failure()) {
+    return err;
+  }
+  PreparedRuns runs;
+  if (auto err = PrepareRuns(view, &runs); err.failure()) return err;
+
+  // Nothing is written before this point.
+  CopyIfDistinct(table, *table_out);
+  BackwardPlan plan{};
+  for (int s = 0; s < kSlots; ++s) {
+    ffi::Result<ffi::AnyBuffer> slot_out = *slots_out.get<ffi::AnyBuffer>(s);
+    CopyIfDistinct(*rest.get<ffi::AnyBuffer>(s), *slot_out);
+    plan.slots[s] = slot_out->typed_data<float>();
+  }
   if (view.dim == 0) return ffi::Error::Success();
-
-  const std::vector<Slice> slices = CollectSlices(view);
-  std::vector<std::vector<Slice>> parts(view.num_table_partitions);
-  for (const Slice& s : slices) parts[s.partition].push_back(s);
-
   plan.view = &view;
-  plan.parts = &parts;
+  plan.runs = &runs.runs;
   plan.activation_grad = activation_grad.typed_data<float>();
   plan.table = table_out->typed_data<float>();
   plan.optimizer = kOpt;
-  std::copy_n(hyper->typed_data<float>(), NumHyperparameters(kOpt),
-              plan.hyper.v);
+  std::copy_n(rest.get<ffi::AnyBuffer>(kSlots)->typed_data<float>(),
+              NumHyperparameters(kOpt), plan.hyper.v);
   plan.hyper.multiply_linear_by_learning_rate =
       multiply_linear_by_learning_rate;
   plan.clip = clip;
   plan.clip_min = clip_min;
   plan.clip_max = clip_max;
 
-  const std::vector<int64_t> bounds = SplitKeys(view, slices, NumWorkers(pool));
+  const std::vector<int64_t> bounds = SplitKeys(view, runs, NumWorkers(pool));
   ParallelFor(pool, static_cast<int64_t>(bounds.size()) - 1, [&](int64_t c) {
     BackwardKeys(plan, bounds[c], bounds[c + 1]);
   });
   return ffi::Error::Success();
 }
 
+ffi::Error CheckCooImpl(ffi::AnyBuffer row_pointers,
+                        ffi::AnyBuffer embedding_ids,
+                        ffi::AnyBuffer sample_ids, ffi::AnyBuffer gains,
+                        ffi::AnyBuffer table,
+                        ffi::Result<ffi::AnyBuffer> copied_slices,
+                        LayoutAttrs attrs) {
+  CooView view;
+  if (auto err = MakeCooView(attrs, row_pointers, embedding_ids, sample_ids,
+                             gains, table, &view);
+      err.failure()) {
+    return err;
+  }
+  if (auto err =
+          CheckBuffer(*copied_slices, ffi::DataType::S32, 0, "copied_slices");
+      err.failure()) {
+    return err;
+  }
+  PreparedRuns runs;
+  if (auto err = PrepareRuns(view, &runs); err.failure()) return err;
+  *copied_slices->typed_data<int32_t>() =
+      static_cast<int32_t>(runs.copied_slices);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
-#define PZSC_DEFINE_GRAD_HANDLER(name, opt)                      \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                 \
-      name, SparseDenseMatmulGradImpl<opt>,                      \
-      ffi::Ffi::Bind()                                           \
-          .Ctx<ffi::ThreadPool>()                                \
-          .Arg<ffi::AnyBuffer>() /* activation_grad */           \
-          .Arg<ffi::AnyBuffer>() /* row_pointers */              \
-          .Arg<ffi::AnyBuffer>() /* embedding_ids */             \
-          .Arg<ffi::AnyBuffer>() /* sample_ids */                \
-          .Arg<ffi::AnyBuffer>() /* gains */                     \
-          .Arg<ffi::AnyBuffer>() /* table */                     \
-          .RemainingArgs()       /* slots..., hyperparameters */ \
-          .Ret<ffi::AnyBuffer>() /* table (aliased) */           \
-          .RemainingRets()       /* slots (aliased) */           \
-          .Attr<int64_t>("num_segments")                         \
-          .Attr<int64_t>("samples_per_segment")                  \
-          .Attr<int64_t>("num_partitions")                       \
-          .Attr<int64_t>("rows_per_partition")                   \
-          .Attr<int64_t>("partition_begin")                      \
-          .Attr<bool>("clip")                                    \
-          .Attr<float>("clip_min")                               \
-          .Attr<float>("clip_max")                               \
+#define PZSC_DEFINE_GRAD_HANDLER(name, opt)                               \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                          \
+      name, SparseDenseMatmulGradImpl<opt>,                               \
+      BindCooOperands(ffi::Ffi::Bind()                                    \
+                          .Ctx<ffi::ThreadPool>()                         \
+                          .Arg<ffi::AnyBuffer>() /* activation_grad */)   \
+          .RemainingArgs()       /* slots..., hyperparameters */          \
+          .Ret<ffi::AnyBuffer>() /* table (aliased) */                    \
+          .RemainingRets()       /* slots (aliased) */                    \
+          .Attr<LayoutAttrs>("layout")                                    \
+          .Attr<bool>("clip")                                             \
+          .Attr<float>("clip_min")                                        \
+          .Attr<float>("clip_max")                                        \
           .Attr<bool>("multiply_linear_by_learning_rate"))
 
 PZSC_DEFINE_GRAD_HANDLER(SparseDenseMatmulGradSgdCpu, Optimizer::kSgd);
@@ -205,5 +331,10 @@ PZSC_DEFINE_GRAD_HANDLER(SparseDenseMatmulGradAdamCpu, Optimizer::kAdam);
 PZSC_DEFINE_GRAD_HANDLER(SparseDenseMatmulGradFtrlCpu, Optimizer::kFtrl);
 
 #undef PZSC_DEFINE_GRAD_HANDLER
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CheckCooCpu, CheckCooImpl,
+                              BindCooOperands(ffi::Ffi::Bind())
+                                  .Ret<ffi::AnyBuffer>()  // copied_slices
+                                  .Attr<LayoutAttrs>("layout"));
 
 }  // namespace pzsc

@@ -60,6 +60,7 @@ _EXPORTS = {
   # device side
   "sparse_dense_matmul": "kernels",
   "sparse_dense_matmul_grad": "kernels",
+  "backend_info": "kernels.backend",
   "Topology": "parallel",
   "TableGradientError": "parallel",
   # penzai side

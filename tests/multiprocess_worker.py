@@ -5,11 +5,14 @@ Usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR
 
 Every process builds the same model on a mesh over all global devices,
 preprocesses only its own share of each global batch, trains a few steps and
-records its FDO stats; process 0 writes the losses and final logical tables.
+records its FDO stats, saves the trainer and restores the checkpoint into a
+fresh model; process 0 writes the losses, the final logical tables and the
+restored one.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -42,9 +45,9 @@ def main() -> None:
 
   batch, seq, vocab = 64, 4, 512
   mesh = Mesh(np.array(jax.devices()), ("device",))
-  model = shakespeare.build_model(
-    jax.random.key(0),
-    mesh,
+  build = functools.partial(
+    shakespeare.build_model,
+    mesh=mesh,
     vocab_size=vocab,
     seq_len=seq,
     batch_size=batch,
@@ -52,6 +55,7 @@ def main() -> None:
     hidden=32,
     optimizer=pzsc.AdagradOptimizerSpec(learning_rate=0.3),
   )
+  model = build(jax.random.key(0))
   replicated = NamedSharding(mesh, P())
   for param in pz.unbind_params(model.body)[1]:
     param.value = jax.tree.map(
@@ -93,15 +97,20 @@ def main() -> None:
     for field, records in seen.items()
   }
   np.savez(os.path.join(out_dir, f"stats_{process_id}.npz"), **local_max)
-  pzsc.save_checkpoint(os.path.join(out_dir, "ckpt"), trainer.model)
+  # Every process writes its own shards; then all read them back into a
+  # model built with variable slots.
+  pzsc.save_checkpoint(os.path.join(out_dir, "ckpt"), trainer)
+  restored = pzsc.restore_checkpoint(os.path.join(out_dir, "ckpt"), build(None))
   tables = pzsc.logical_tables(trainer.model.embed)
   slots = pzsc.logical_slots(trainer.model.embed)
+  restored_tables = pzsc.logical_tables(restored.embed)
   if process_id == 0:
     np.savez(
       os.path.join(out_dir, "result.npz"),
       losses=np.asarray(losses),
       table=tables[shakespeare.TABLE],
       accumulator=slots[shakespeare.TABLE]["accumulator"],
+      restored_table=restored_tables[shakespeare.TABLE],
     )
   del jnp
 

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
+import subprocess
+import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pz_sparsecore as pzsc
 from pz_sparsecore import buffer_format, kernels, optimizers
 
 PAD = buffer_format.PAD_ID
@@ -674,3 +680,145 @@ def test_handler_rejects_bad_operands_without_crashing():
   bad = dataclasses.replace(shape, rows_per_partition=5)
   with pytest.raises(Exception, match="rows_per_partition"):
     jax.block_until_ready(ffi.sparse_dense_matmul(*buf.args(), table, bad))
+
+
+# --- which implementation runs ----------------------------------------------
+
+
+def test_backend_info_reports_this_build():
+  from pz_sparsecore.kernels import ffi
+
+  info = pzsc.backend_info()
+  assert info.load_error is None
+  assert os.path.isfile(info.extension_path)
+  assert info.abi_version == info.expected_abi_version == ffi.ABI_VERSION
+  labels = ["forward"] + [f"grad {name}" for name in optimizers.REGISTRY]
+  assert list(info.implementations) == labels
+  cuda = {"forward", "grad sgd"} if info.cuda_build else set()
+  for label, per_platform in info.implementations.items():
+    assert per_platform == {
+      "cpu": "ffi",
+      "cuda": "ffi" if label in cuda else "reference",
+    }
+  text = str(info)
+  assert info.extension_path in text and "grad ftrl" in text
+
+
+_FALLBACK_SCRIPT = """
+import json, sys, warnings
+import numpy as np
+import jax.numpy as jnp
+with warnings.catch_warnings(record=True) as caught:
+  warnings.simplefilter("always")
+  import pz_sparsecore as pzsc
+  from pz_sparsecore import kernels
+  arrays = np.load(sys.argv[1])
+  args = [jnp.asarray(arrays[k]) for k in ("rp", "ids", "sids", "gains", "t")]
+  layout = json.loads(sys.argv[2])
+  outs = [kernels.sparse_dense_matmul(*args, **layout) for _ in range(2)]
+  info = pzsc.backend_info()
+print(json.dumps({
+  "warnings": [str(w.message) for w in caught
+               if w.category is kernels.KernelFallbackWarning],
+  "outs": [np.asarray(o).tolist() for o in outs],
+  "forward": info.implementations["forward"]["cpu"],
+  "load_error": info.load_error,
+}))
+"""
+
+
+@pytest.mark.parametrize("library", ["missing", "garbage"])
+def test_failed_extension_load_warns_once_and_runs_reference(tmp_path, library):
+  path = tmp_path / "_pzsc_ffi.cpython-311-x86_64-linux-gnu.so"
+  if library == "garbage":
+    path.write_bytes(b"not an ELF file")
+  buf = make_buffers(29, num_segments=2, num_partitions=2)
+  table = _table(buf, 4, seed=1)
+  arrays = tmp_path / "arrays.npz"
+  np.savez(
+    arrays,
+    rp=buf.row_pointers,
+    ids=buf.embedding_ids,
+    sids=buf.sample_ids,
+    gains=buf.gains,
+    t=table,
+  )
+  result = subprocess.run(
+    [sys.executable, "-c", _FALLBACK_SCRIPT, arrays, json.dumps(buf.layout())],
+    env={**os.environ, "PZSC_FFI_LIBRARY": str(path)},
+    capture_output=True,
+    text=True,
+    check=True,
+  )
+  report = json.loads(result.stdout)
+  assert len(report["warnings"]) == 1, report["warnings"]
+  assert str(path) in report["warnings"][0]
+  assert "runs the pure-JAX reference" in report["warnings"][0]
+  assert report["forward"] == "reference"
+  assert str(path) in report["load_error"]
+  for out in report["outs"]:
+    np.testing.assert_allclose(
+      out, dense_forward(buf, table), rtol=1e-5, atol=1e-5
+    )
+
+
+class _OtherAbi:
+  """A loaded extension that reports another ABI version."""
+
+  def __init__(self, version):
+    self.version = version
+
+  def abi_version(self):
+    return self.version
+
+
+def test_abi_mismatch_is_an_error_not_a_fallback(monkeypatch):
+  from pz_sparsecore.kernels import ffi
+
+  ext = ffi.check_extension(_OtherAbi(ffi.ABI_VERSION - 1), "/x/_pzsc_ffi.so")
+  assert ext.mismatch and ext.module is None
+  assert f"ABI version {ffi.ABI_VERSION - 1}" in ext.error
+  monkeypatch.setattr(ffi, "EXTENSION", ext)
+  monkeypatch.setattr(ffi, "_PLATFORMS", {})
+  buf, table = _error_operands()
+  for impl in (None, "ffi"):
+    with pytest.raises(kernels.ExtensionMismatchError, match="rebuild"):
+      kernels.sparse_dense_matmul(
+        *buf.args(), table, implementation=impl, **buf.layout()
+      )
+  got = kernels.sparse_dense_matmul(
+    *buf.args(), table, implementation="reference", **buf.layout()
+  )
+  np.testing.assert_allclose(
+    got, dense_forward(buf, np.asarray(table)), rtol=1e-5, atol=1e-5
+  )
+  info = pzsc.backend_info()
+  assert info.implementations["grad adam"]["cpu"] == "error"
+  assert "/x/_pzsc_ffi.so" in str(info)
+
+
+def test_reference_fallback_on_a_platform_warns_once(monkeypatch):
+  from pz_sparsecore.kernels import dispatch
+
+  monkeypatch.setattr(dispatch, "_warned", set())
+  buf, table = _error_operands()
+  step = jax.jit(
+    functools.partial(
+      kernels.sparse_dense_matmul_grad,
+      optimizer="adagrad",
+      **buf.layout(),
+    )
+  )
+  args = (jnp.ones((32, 4), jnp.float32), *buf.args(), table, (table,))
+  hp = jnp.ones(1, jnp.float32)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", kernels.KernelFallbackWarning)
+    jax.block_until_ready(step(*args, hyperparameters=hp))  # CPU: the FFI.
+  with pytest.warns(
+    kernels.KernelFallbackWarning,
+    match="'pzsc_sparse_dense_matmul_grad_adagrad' on platform 'cuda'",
+  ):
+    jax.export.export(step, platforms=("cuda",))(*args, hyperparameters=hp)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", kernels.KernelFallbackWarning)
+    jax.export.export(step, platforms=("cuda",))(*args, hyperparameters=hp)

@@ -85,11 +85,18 @@ def test_fdo_merges_both_processes(runs):
 
 def test_checkpoint_from_two_processes_restores_on_one(runs):
   import jax
+  import optax
   from jax.sharding import Mesh
 
   from pz_sparsecore.models import shakespeare
 
   _, multi = runs
+  (step,) = os.listdir(multi / "ckpt")
+  # Each process wrote its own shards.
+  arrays = sorted(os.listdir(multi / "ckpt" / step / "arrays"))
+  assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(arrays), arrays
+  expected = np.load(multi / "result.npz")
+  np.testing.assert_array_equal(expected["restored_table"], expected["table"])
   mesh = Mesh(np.array(jax.devices()[:4]), ("device",))
   model = shakespeare.build_model(
     jax.random.key(7),
@@ -101,12 +108,19 @@ def test_checkpoint_from_two_processes_restores_on_one(runs):
     hidden=32,
     optimizer=pzsc.AdagradOptimizerSpec(learning_rate=0.3),
   )
-  model = pzsc.restore_checkpoint(multi / "ckpt", model)
-  expected = np.load(multi / "result.npz")
+  trainer = pzsc.SparseCoreTrainer.build(
+    jax.random.key(9), model, optax.adam(1e-2), shakespeare.loss_fn
+  )
+  trainer = pzsc.restore_checkpoint(multi / "ckpt", trainer)
+  assert int(trainer.state.value.step) == 5
   np.testing.assert_array_equal(
-    pzsc.logical_tables(model.embed)["words"], expected["table"]
+    jax.random.key_data(trainer.root_rng),
+    jax.random.key_data(jax.random.key(1)),
   )
   np.testing.assert_array_equal(
-    pzsc.logical_slots(model.embed)["words"]["accumulator"],
+    pzsc.logical_tables(trainer.model.embed)["words"], expected["table"]
+  )
+  np.testing.assert_array_equal(
+    pzsc.logical_slots(trainer.model.embed)["words"]["accumulator"],
     expected["accumulator"],
   )

@@ -8,6 +8,14 @@ the segment spans entries ``[r8(rp[p - 1]), rp[p])`` (``r8`` rounds up to a
 multiple of ``buffer_format.ALIGNMENT``; the first partition starts at 0),
 sorted by (row, sample). Gaps hold ``buffer_format.PAD_ID`` and NaN gains.
 
+The kernels accept any contents of these buffers: entries whose id is
+outside ``[0, rows_per_partition)`` (or ``PAD_ID``) or whose sample id is
+outside ``[0, samples_per_segment)`` are skipped, ends are clamped to the
+segment, ids need not be sorted (the C++ backward sorts a copy of a slice
+that is not), and NaN or infinite gains propagate into the rows they touch,
+as in the reference. Row pointers whose partition starts decrease (so that
+partitions would overlap) make the C++ handlers raise.
+
 Example, one segment, two partitions of 4 rows, two samples::
 
   row_pointers  = [2, 11]            # p0: [0, 2), p1: [8, 11)
@@ -21,7 +29,9 @@ Example, one segment, two partitions of 4 rows, two samples::
 update (an entry of ``pz_sparsecore.optimizers``), in place, to the referenced
 rows only. The C++ handlers run on CPU (and on CUDA when built with it);
 ``reference`` is the pure-JAX oracle and fallback. ``contract`` checks every
-call's operands before either runs.
+call's operands before either runs. :func:`backend_info` reports which
+implementation runs on which platform; a fallback to the reference always
+warns (:class:`KernelFallbackWarning`).
 
 On Linux the CPU handlers ask for transparent huge pages behind table and slot
 buffers of at least 32 MiB: the first time a buffer's address range is seen,
@@ -35,6 +45,11 @@ misses). Contents are unchanged and failures are ignored; set
 from __future__ import annotations
 
 from pz_sparsecore.kernels import reference
+from pz_sparsecore.kernels.backend import BackendInfo, backend_info
+from pz_sparsecore.kernels.ffi import (
+  ExtensionMismatchError,
+  KernelFallbackWarning,
+)
 from pz_sparsecore.kernels.ffi import available as ffi_available
 from pz_sparsecore.kernels.ops import (
   sparse_dense_matmul,
@@ -42,6 +57,10 @@ from pz_sparsecore.kernels.ops import (
 )
 
 __all__ = [
+  "BackendInfo",
+  "ExtensionMismatchError",
+  "KernelFallbackWarning",
+  "backend_info",
   "ffi_available",
   "reference",
   "sparse_dense_matmul",

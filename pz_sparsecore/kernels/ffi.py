@@ -1,27 +1,49 @@
-"""Registration of the C++ XLA FFI handlers and their ``ffi_call`` wrappers.
+"""Loading and registration of the C++ XLA FFI handlers, and their wrappers.
 
 The compiled extension ``pz_sparsecore._pzsc_ffi`` exposes one PyCapsule per
-handler and platform; importing this module registers them all with
+handler and platform; importing this module loads it, checks its ABI version
+against :data:`ABI_VERSION` and registers every handler with
 ``jax.ffi.register_ffi_target`` (CPU always, CUDA only for a build configured
-with ``-DPZSC_CUDA=ON``, which has the forward and the SGD backward). If the
-extension is missing, :func:`available` is ``False`` and the public functions
-fall back to the pure-JAX reference.
+with ``-DPZSC_CUDA=ON``, which has the forward and the SGD backward).
+
+Nothing about the choice is silent:
+
+* The extension fails to load (not built, a broken file): importing this
+  module warns once (:class:`KernelFallbackWarning`, naming the error) and
+  every call runs the pure-JAX reference.
+* The extension loads but was built for another ABI version (a stale build):
+  no handler is registered and every call that would run one raises
+  :class:`ExtensionMismatchError`; only ``implementation="reference"`` runs.
+* :func:`pz_sparsecore.backend_info` reports which file was loaded (or why
+  none was) and which implementation runs for every target and platform.
+
+The environment variable ``PZSC_FFI_LIBRARY`` (a path to a built
+``_pzsc_ffi*.so``) loads that file instead of the installed extension, under
+the same module name: e.g. a sanitizer build (``make test-asan``).
 
 The backward targets update the table and slots in place: they are aliased
 to the results (``input_output_aliases``), so a caller that donates them
 (``jax.jit(..., donate_argnums=...)``) gets an O(batch) step. Without
 donation XLA copies them first, which is correct but O(table).
 
-Every backward handler binds the same attributes
-(``csrc/sparse_dense_matmul_grad.cc``): the buffer shape, the clip range and
-the static attributes of every optimizer in the registry. A call passes its
-optimizer's static attributes and the others' defaults, e.g. an SGD call
-passes ``multiply_linear_by_learning_rate=False`` (FTRL's switch).
+Every handler takes the buffer shape as one dictionary attribute, ``layout``
+(``LayoutAttrs`` in ``csrc/coo_layout.h``). Every backward handler binds the
+same attributes (``csrc/sparse_dense_matmul_grad.cc``): the layout, the clip
+range and the static attributes of every optimizer in the registry. A call
+passes its optimizer's static attributes and the others' defaults, e.g. an
+SGD call passes ``multiply_linear_by_learning_rate=False`` (FTRL's switch).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import importlib.util
+import os
+import sys
+import warnings
 from collections.abc import Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -31,12 +53,25 @@ import numpy as np
 from pz_sparsecore import optimizers
 from pz_sparsecore.kernels import contract
 
-try:
-  from pz_sparsecore import _pzsc_ffi as _ext
-except ImportError:  # Built without the extension: reference only.
-  _ext = None
+ABI_VERSION = 3
+"""The handlers' ABI this package was written for (``kAbiVersion`` in
+``csrc/module.cc``)."""
 
+LIBRARY_ENV = "PZSC_FFI_LIBRARY"
+"""Environment variable: a path to the extension to load instead of the
+installed one."""
+
+MODULE_NAME = "pz_sparsecore._pzsc_ffi"
 FORWARD_TARGET = "pzsc_sparse_dense_matmul"
+CHECK_TARGET = "pzsc_check_coo"
+
+
+class KernelFallbackWarning(RuntimeWarning):
+  """The pure-JAX reference runs where a compiled handler was expected."""
+
+
+class ExtensionMismatchError(ImportError):
+  """The compiled extension was built for another ABI version."""
 
 
 def grad_target(optimizer: str) -> str:
@@ -44,18 +79,92 @@ def grad_target(optimizer: str) -> str:
   return f"pzsc_sparse_dense_matmul_grad_{optimizer}"
 
 
-def _register() -> dict[str, frozenset[str]]:
-  if _ext is None:
+@dataclasses.dataclass(frozen=True)
+class Extension:
+  """The outcome of loading the compiled extension.
+
+  Attributes:
+    module: The loaded, ABI-compatible module, else None.
+    path: The file it was loaded from (or asked for), if known.
+    abi_version: The ABI version the file reports, if it loaded.
+    error: Why no handler can run, or None.
+    mismatch: Whether the file loaded but has another ABI version.
+  """
+
+  module: ModuleType | None
+  path: str | None
+  abi_version: int | None
+  error: str | None
+  mismatch: bool = False
+
+
+def _load_file(path: str) -> ModuleType:
+  """Loads the extension from ``path`` under :data:`MODULE_NAME`."""
+  spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+  if spec is None or spec.loader is None:
+    raise ImportError(f"{path} is not a Python extension module")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  sys.modules[MODULE_NAME] = module
+  return module
+
+
+def check_extension(module: Any, path: str | None) -> Extension:
+  """Checks a loaded extension's ABI version against :data:`ABI_VERSION`.
+
+  Args:
+    module: The loaded extension module.
+    path: The file it was loaded from.
+
+  Returns:
+    The extension, usable if its version matches; else a mismatch (no
+    module) whose error names the file, both versions and the fix.
+  """
+  version = getattr(module, "abi_version", None)
+  abi = int(version()) if callable(version) else None
+  if abi != ABI_VERSION:
+    return Extension(
+      None,
+      path,
+      abi,
+      f"{path} has ABI version {abi} but this pz_sparsecore expects "
+      f"{ABI_VERSION}: rebuild the extension (pip install -e .) or unset "
+      f"{LIBRARY_ENV}.",
+      mismatch=True,
+    )
+  return Extension(module, path, abi, None)
+
+
+def _load() -> Extension:
+  path = os.environ.get(LIBRARY_ENV) or None
+  try:
+    module = _load_file(path) if path else importlib.import_module(MODULE_NAME)
+  except (ImportError, OSError) as e:
+    source = path or MODULE_NAME
+    return Extension(None, path, None, f"{source}: {type(e).__name__}: {e}")
+  return check_extension(module, getattr(module, "__file__", path))
+
+
+def _register(extension: Extension) -> dict[str, frozenset[str]]:
+  if extension.module is None:
     return {}
   platforms = {}
-  for name, capsules in _ext.registrations().items():
+  for name, capsules in extension.module.registrations().items():
     for platform, capsule in capsules.items():
       jax.ffi.register_ffi_target(name, capsule, platform=platform)
     platforms[name] = frozenset(p.lower() for p in capsules)
   return platforms
 
 
-_PLATFORMS: dict[str, frozenset[str]] = _register()
+EXTENSION: Extension = _load()
+_PLATFORMS: dict[str, frozenset[str]] = _register(EXTENSION)
+if EXTENSION.error is not None and not EXTENSION.mismatch:
+  warnings.warn(
+    f"pz_sparsecore: the compiled kernels could not be loaded "
+    f"({EXTENSION.error}); every kernel call runs the pure-JAX reference.",
+    KernelFallbackWarning,
+    stacklevel=2,
+  )
 
 
 def available(target: str = FORWARD_TARGET, platform: str = "cpu") -> bool:
@@ -63,13 +172,33 @@ def available(target: str = FORWARD_TARGET, platform: str = "cpu") -> bool:
   return platform.lower() in _PLATFORMS.get(target, frozenset())
 
 
-def _shape_attrs(shape: contract.BufferShape) -> dict[str, np.int64]:
+def platforms(target: str) -> frozenset[str]:
+  """The platforms (lower case) with a compiled handler for ``target``."""
+  return _PLATFORMS.get(target, frozenset())
+
+
+def require_compatible() -> None:
+  """Raises if the extension loaded but was built for another ABI.
+
+  Raises:
+    ExtensionMismatchError: With the file, both versions and the fix.
+  """
+  if EXTENSION.mismatch:
+    raise ExtensionMismatchError(EXTENSION.error)
+
+
+def _shape_attrs(
+  shape: contract.BufferShape,
+) -> dict[str, dict[str, np.int64]]:
+  """The handlers' dictionary attribute ``layout`` (``LayoutAttrs``)."""
   return {
-    "num_segments": np.int64(shape.num_segments),
-    "samples_per_segment": np.int64(shape.samples_per_segment),
-    "num_partitions": np.int64(shape.num_partitions),
-    "rows_per_partition": np.int64(shape.rows_per_partition),
-    "partition_begin": np.int64(shape.partition_begin),
+    "layout": {
+      "num_segments": np.int64(shape.num_segments),
+      "samples_per_segment": np.int64(shape.samples_per_segment),
+      "num_partitions": np.int64(shape.num_partitions),
+      "rows_per_partition": np.int64(shape.rows_per_partition),
+      "partition_begin": np.int64(shape.partition_begin),
+    }
   }
 
 
@@ -80,6 +209,32 @@ _STATIC_DEFAULTS: dict[str, Any] = {
   for info in optimizers.REGISTRY.values()
   for name, value in contract.static_attribute_defaults(info).items()
 }
+
+
+def check_coo(
+  row_pointers: jax.Array,
+  embedding_ids: jax.Array,
+  sample_ids: jax.Array,
+  gains: jax.Array,
+  table: jax.Array,
+  shape: contract.BufferShape,
+) -> jax.Array:
+  """Runs the backward's input pass alone (:data:`CHECK_TARGET`).
+
+  The pass decodes the row pointers (an error if they decrease), checks
+  every slice's ids are sorted and makes sorted copies of those that are
+  not, exactly as the fused backward does before its first write. Used to
+  measure its cost; the layer never calls it.
+
+  Returns:
+    An int32 scalar: the number of slices that needed a sorted copy.
+  """
+  call = jax.ffi.ffi_call(
+    CHECK_TARGET, jax.ShapeDtypeStruct((), jnp.int32), vmap_method="sequential"
+  )
+  return call(
+    row_pointers, embedding_ids, sample_ids, gains, table, **_shape_attrs(shape)
+  )
 
 
 def _static_attrs(static_attributes: Mapping[str, Any]) -> dict[str, Any]:

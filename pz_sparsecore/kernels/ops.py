@@ -7,10 +7,17 @@ dispatch to an implementation:
 
 * ``implementation=None``: the C++ FFI handler where one is compiled for the
   platform the call is lowered for (CPU; CUDA for a ``-DPZSC_CUDA=ON`` build),
-  else the pure-JAX reference. The choice happens at lowering time through
-  ``jax.lax.platform_dependent``, so one traced function serves every backend.
+  else the pure-JAX reference, with a warning (``dispatch``). The choice
+  happens at lowering time through ``jax.lax.platform_dependent``, so one
+  traced function serves every backend.
 * ``"ffi"``: the handler (the call fails to lower on a platform without one).
 * ``"reference"``: the pure-JAX reference (``reference.py``).
+
+``pz_sparsecore.backend_info()`` reports which one runs where. Both
+implementations accept any buffer contents: unsorted, negative or huge ids
+and sample ids are skipped or summed exactly as the contract says; row
+pointers whose partition starts decrease make the handlers raise (see
+``csrc/coo_layout.h``).
 
 Both work under ``jit`` and inside ``shard_map`` (they act on the local
 shard). Under ``vmap`` the FFI handlers run once per batch element
@@ -24,17 +31,7 @@ from typing import Any
 
 import jax
 
-from pz_sparsecore.kernels import contract, ffi, reference
-
-_IMPLEMENTATIONS = (None, "ffi", "reference")
-
-
-def _check_implementation(implementation: str | None) -> None:
-  if implementation not in _IMPLEMENTATIONS:
-    raise ValueError(
-      f"implementation must be one of {_IMPLEMENTATIONS}, got "
-      f"{implementation!r}."
-    )
+from pz_sparsecore.kernels import contract, dispatch, ffi, reference
 
 
 def _grad_fn(impl, shape: contract.BufferShape, **kwargs):
@@ -70,27 +67,6 @@ def _as_matrices(fn, dim: int):
     )
 
   return wrapped
-
-
-def _dispatch(target: str, implementation: str | None, ffi_fn, reference_fn):
-  """Returns a function running the chosen implementation."""
-  if implementation == "reference" or (
-    implementation is None and not ffi.available(target, "cpu")
-  ):
-    return reference_fn
-  if implementation == "ffi":
-    if not ffi.available(target, "cpu"):
-      raise ValueError(
-        f"FFI target {target!r} is not available: the pz_sparsecore "
-        "extension was not built."
-      )
-    return ffi_fn
-  branches = {"cpu": ffi_fn}
-  if ffi.available(target, "cuda"):
-    branches["cuda"] = ffi_fn
-  return lambda *args: jax.lax.platform_dependent(
-    *args, default=reference_fn, **branches
-  )
 
 
 def sparse_dense_matmul(
@@ -138,8 +114,15 @@ def sparse_dense_matmul(
 
   Raises:
     ValueError: If an operand's dtype, rank or size is inconsistent.
+    ExtensionMismatchError: If the compiled extension was built for another
+      ABI version and ``implementation`` is not ``"reference"``.
+
+  The FFI handler fails at run time with XLA's INVALID_ARGUMENT error (a
+  ``ValueError``, or ``jax.errors.JaxRuntimeError`` when it surfaces after
+  dispatch) if the row pointers make partition starts decrease; the
+  reference does not check them.
   """
-  _check_implementation(implementation)
+  dispatch.check_implementation(implementation)
   shape = contract.check_buffers(
     row_pointers,
     embedding_ids,
@@ -152,7 +135,7 @@ def sparse_dense_matmul(
     rows_per_partition=rows_per_partition,
     partition_begin=partition_begin,
   )
-  fn = _dispatch(
+  fn = dispatch.choose(
     ffi.FORWARD_TARGET,
     implementation,
     lambda *a: ffi.sparse_dense_matmul(*a, shape),
@@ -233,6 +216,13 @@ def sparse_dense_matmul_grad(
   Raises:
     ValueError: If an operand's dtype, rank or size is inconsistent, the
       optimizer is unknown or a static attribute is not the optimizer's.
+    ExtensionMismatchError: If the compiled extension was built for another
+      ABI version and ``implementation`` is not ``"reference"``.
+
+  The FFI handler fails at run time with XLA's INVALID_ARGUMENT error (a
+  ``ValueError``, or ``jax.errors.JaxRuntimeError`` when it surfaces after
+  dispatch), before writing anything, if the row pointers make partition
+  starts decrease; the reference does not check them.
   """
   # The first statement: `locals()` holds exactly the arguments above.
   return _fused_update(**locals())
@@ -254,7 +244,7 @@ def _fused_update(
   ``forward_args`` are the arguments it shares with the forward (buffers,
   table and sizes), by name, as ``contract.check_buffers`` takes them.
   """
-  _check_implementation(implementation)
+  dispatch.check_implementation(implementation)
   shape = contract.check_buffers(**forward_args)
   table = forward_args["table"]
   info = contract.check_grad_operands(
@@ -265,7 +255,7 @@ def _fused_update(
     clip=None if clip is None else (float(clip[0]), float(clip[1])),
     static_attributes=contract.check_static_attributes(info, static_attributes),
   )
-  fn = _dispatch(
+  fn = dispatch.choose(
     ffi.grad_target(optimizer),
     implementation,
     _grad_fn(ffi.sparse_dense_matmul_grad, shape, **kwargs),

@@ -1,53 +1,95 @@
-"""Topology-independent checkpoints of models with `SparseCoreEmbed` layers.
+"""Checkpoints of models and trainers with `SparseCoreEmbed` layers.
 
-A checkpoint stores every embedding table and slot in its *logical* form
-(`[vocab, dim]` per table, unstacked and unsharded) plus every other variable
-of the model by label, so a model saved on one topology (say 8 devices x 1
-SparseCore) restores onto another (4 x 2, 1 x 1) with identical outputs.
+`save_checkpoint(directory, target)` stores a Penzai model, or a whole
+`SparseCoreTrainer` (model, step, optax state, loss-function state and root
+key); `restore_checkpoint(directory, target)` reads the newest checkpoint
+back into a model or trainer built the same way, on any topology.
 
-Layout of `directory`::
+Format. Checkpoints are written with orbax-checkpoint. `directory` holds one
+sub-directory per save, numbered `0, 1, 2, ...`; each holds two orbax items:
+`arrays` (a flat dict of arrays, OCDBT/TensorStore) and `manifest` (JSON,
+described in `_ckpt_manifest.py`) that says what every array is. Each
+stack's table and slots are stored as the devices hold them, `[N, V_shard,
+D]` and MOD-sharded, with the stack's layout in the manifest; dense
+variables by label, with their `NamedArray` axis names; a trainer's state
+leaf by leaf.
 
-  LATEST               name of the newest complete checkpoint
-  ckpt_000002/
-    manifest.json      what is stored, and the array keys
-    arrays.npz         the arrays
+Writes are parallel and per process: every process writes the shards its
+devices hold (orbax's `ocdbt.process_<i>` files), nothing is gathered to one
+host, and the directory must be on a file system every process sees.
+`max_host_bytes` caps the bytes a process holds in flight between storage
+and memory (one device shard must fit under it).
 
-A save writes a fresh `ckpt_<n>` under a temporary name, syncs it, renames it
-into place, then atomically replaces `LATEST`, and only then removes older
-checkpoints. A crash at any point leaves `LATEST` naming a complete
-checkpoint.
+Atomicity. A save writes into `<n>.orbax-checkpoint-tmp-<time>`, syncs every
+file and directory, renames it to `<n>` and syncs `directory`; only then
+are the checkpoints beyond the newest `keep` deleted. The newest directory
+named by a bare number is the checkpoint: a crash at any point leaves the
+previous one (or the new one, if the rename happened) restorable, and the
+next save picks the number after the newest committed one and removes the
+temporary directories of interrupted saves.
+
+Restore onto another topology. The manifest records each stack's layout; a
+stack whose layout equals the model's is read straight into its shards, any
+other is read sharded over the model's mesh and its rows are moved on device
+(`_ckpt_layout.relayout`), so a checkpoint from 8 devices x 1 SparseCore
+restores onto 4 x 2, 1 x 1 or another stacking of the same tables with
+identical values.
+
+Validation. The whole manifest is compared with the target before anything
+is read or assigned: layer and table names, shapes, dtypes, optimizers and
+slots, dense variables' labels, kinds, shapes, dtypes and axis names, and a
+trainer's state. The first mismatch is a `ValueError` naming it, e.g.
+`variable 'head.w': checkpoint shape (64, 8), model (32, 8)`, and the
+target is unchanged.
+
+Resuming training::
+
+  trainer = pzsc.SparseCoreTrainer.build(key, model, optax.adam(1e-3), loss)
+  ...  # k steps
+  pzsc.save_checkpoint(ckpt_dir, trainer)
+
+  # Later, perhaps on another topology:
+  trainer = pzsc.SparseCoreTrainer.build(key, build_model(), optimizer, loss)
+  trainer = pzsc.restore_checkpoint(ckpt_dir, trainer)  # step k, same key
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
+import asyncio
+import math
 import os
-import shutil
-import tempfile
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint.path import atomicity
 from penzai import pz
 
-from pz_sparsecore import layout
-from pz_sparsecore.nn.embed import (
-  SparseCoreEmbed,
-  find_embeds,
-  named_table,
-  variable_labels,
+from pz_sparsecore.nn._ckpt_manifest import (
+  SLOTS,
+  Description,
+  check,
+  describe,
+  restored_trainer,
 )
-from pz_sparsecore.nn.host import from_host, to_host
-from pz_sparsecore.nn.tables import logical_slots, logical_tables
+from pz_sparsecore.nn._ckpt_reads import Reads
+from pz_sparsecore.nn.training import SparseCoreTrainer
 
-_LATEST = "LATEST"
-_MANIFEST = "manifest.json"
-_ARRAYS = "arrays.npz"
-_FORMAT_VERSION = 1
+__all__ = ["restore_checkpoint", "save_checkpoint"]
+
+_ARRAYS = "arrays"
+_MANIFEST = "manifest"
+_CHUNK_BYTES = 32 * 2**20
+"""Largest stored chunk: a read onto another topology rounds to chunks."""
+
+# ---------------------------------------------------------------------------
+# orbax: handlers, the durable rename, the newest committed step.
 
 
-def _fsync_dir(path: str) -> None:
+def _sync(path: str) -> None:
   fd = os.open(path, os.O_RDONLY)
   try:
     os.fsync(fd)
@@ -55,291 +97,237 @@ def _fsync_dir(path: str) -> None:
     os.close(fd)
 
 
-def _latest(directory: str) -> str | None:
-  try:
-    with open(os.path.join(directory, _LATEST)) as f:
-      name = f.read().strip()
-  except FileNotFoundError:
-    return None
-  return name or None
+def _sync_tree(path: str) -> None:
+  """Syncs every file and directory under `path`, children first."""
+  for root, _, files in os.walk(path, topdown=False):
+    for name in files:
+      _sync(os.path.join(root, name))
+    _sync(root)
 
 
-def _host_value(label: str, value: Any) -> tuple[np.ndarray, list[str] | None]:
-  if isinstance(value, pz.nx.NamedArray | pz.nx.NamedArrayView):
-    value = value.as_namedarrayview()
-    names = list(value.named_shape)
-    data = value.unwrap(*names) if not value.positional_shape else None
-    if data is None:
-      raise ValueError(f"variable {label!r}: positional axes are not supported")
-    return to_host(data), names
-  if isinstance(value, jax.Array | np.ndarray | np.generic | int | float):
-    return to_host(value), None
-  raise ValueError(
-    f"variable {label!r}: cannot checkpoint a value of type "
-    f"{type(value).__name__} (only arrays and NamedArrays)"
+class _DurableRename(atomicity.AtomicRenameTemporaryPath):
+  """orbax's atomic rename, made durable.
+
+  The temporary directory's files are synced before the rename and the
+  parent directory after it, so a checkpoint under its final name has all
+  its bytes on disk even across a power loss.
+  """
+
+  async def finalize(self) -> None:
+    await asyncio.to_thread(_sync_tree, os.fspath(self.get()))
+    await super().finalize()
+    final = os.fspath(self.get_final())
+    await asyncio.to_thread(_sync_tree, final)
+    await asyncio.to_thread(_sync, os.path.dirname(final))
+
+
+def _check_options(keep: int | None, max_host_bytes: int | None) -> None:
+  for name, value in (("keep", keep), ("max_host_bytes", max_host_bytes)):
+    if value is None:
+      continue
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name} must be None or a positive int, got {value!r}")
+
+
+def _handlers(max_host_bytes: int | None) -> dict[str, Any]:
+  # Uncompressed: trained float tables shrink by a tenth under zstd, and
+  # compressing them doubles the time of a save.
+  arrays = ocp.PyTreeCheckpointHandler(
+    handler_impl=ocp.BasePyTreeCheckpointHandler(
+      save_concurrent_bytes=max_host_bytes,
+      restore_concurrent_bytes=max_host_bytes,
+      use_compression=False,
+    )
+  )
+  return {_ARRAYS: arrays, _MANIFEST: ocp.JsonCheckpointHandler()}
+
+
+def _steps(directory: str) -> list[int]:
+  """The committed checkpoints of `directory` (temporary ones have names
+  with a suffix)."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(
+    int(name)
+    for name in os.listdir(directory)
+    if name.isdigit() and os.path.isdir(os.path.join(directory, name))
   )
 
 
-def _embed_labels(model: Any) -> set[str]:
-  """Labels of the tables and slots of every `SparseCoreEmbed` in `model`."""
-  tables, slots = variable_labels(model)
-  return tables | slots
+def _check_cap(description: Description, max_host_bytes: int | None) -> None:
+  """Raises if one device's piece of an array does not fit under the cap."""
+  if max_host_bytes is None:
+    return
+  for key, value in description.values.items():
+    shape = np.shape(value)
+    if isinstance(value, jax.Array):
+      shape = value.sharding.shard_shape(value.shape)
+    size = math.prod(shape) * np.dtype(value.dtype).itemsize
+    if size >= max_host_bytes:
+      raise ValueError(
+        f"max_host_bytes {max_host_bytes} is too small for one device's "
+        f"piece of {description.names[key]!r} ({size} bytes)"
+      )
 
 
-def _embed_entry(
-  embed: SparseCoreEmbed, arrays: dict[str, np.ndarray]
-) -> dict[str, Any]:
-  """Adds a layer's logical tables and slots to `arrays`; its manifest."""
-  name = embed.config.name
-  entry = {"tables": {}}
-  for table, value in logical_tables(embed).items():
-    key = f"embed/{name}/{table}"
-    arrays[key] = value
-    entry["tables"][table] = {"value": key, "slots": {}}
-  for table, slots in logical_slots(embed).items():
-    for slot, value in slots.items():
-      key = f"embed/{name}/{table}/{slot}"
-      arrays[key] = value
-      entry["tables"][table]["slots"][slot] = key
-  return entry
+def _storable(value: Any) -> Any:
+  """Global arrays stay on their devices (orbax writes each process's
+  shards); anything else is one process's copy, stored from the host by
+  process 0."""
+  if isinstance(value, jax.Array) and value.committed:
+    if jax.process_count() == 1 or not value.is_fully_addressable:
+      return value
+  return np.asarray(value)
 
 
-def _contents(model: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-  """The arrays to store (on the host) and the manifest describing them."""
-  arrays: dict[str, np.ndarray] = {}
-  manifest: dict[str, Any] = {
-    "version": _FORMAT_VERSION,
-    "embeds": {},
-    "variables": {},
-  }
-  for embed in find_embeds(model):
-    manifest["embeds"][embed.config.name] = _embed_entry(embed, arrays)
-  embed_labels = _embed_labels(model)
-  _, variables = pz.unbind_variables(model)
-  for index, var in enumerate(variables):
-    if var.label in embed_labels:
-      continue
-    label = str(var.label)
-    value, names = _host_value(label, var.value)
-    key = f"var/{index}"
-    arrays[key] = value
-    manifest["variables"][label] = {
-      "kind": "parameter" if isinstance(var, pz.Parameter) else "state",
-      "value": key,
-      "axes": names,
-    }
-  return arrays, manifest
+# ---------------------------------------------------------------------------
+# Saving.
 
 
-def _write(
-  directory: str,
-  name: str,
-  arrays: dict[str, np.ndarray],
-  manifest: dict[str, Any],
+def save_checkpoint(
+  directory: str | os.PathLike,
+  target: Any,
+  *,
+  keep: int | None = 1,
+  max_host_bytes: int | None = None,
 ) -> str:
-  """Writes `directory/name` under a temporary name, then points LATEST."""
-  tmp = tempfile.mkdtemp(prefix=".tmp_ckpt_", dir=directory)
-  try:
-    with open(os.path.join(tmp, _ARRAYS), "wb") as f:
-      np.savez(f, **arrays)
-      f.flush()
-      os.fsync(f.fileno())
-    with open(os.path.join(tmp, _MANIFEST), "w") as f:
-      json.dump(manifest, f, indent=1)
-      f.flush()
-      os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    final = os.path.join(directory, name)
-    os.replace(tmp, final)
-    fd, latest_tmp = tempfile.mkstemp(prefix=".tmp_latest_", dir=directory)
-    with os.fdopen(fd, "w") as f:
-      f.write(name)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(latest_tmp, os.path.join(directory, _LATEST))
-    _fsync_dir(directory)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  return final
+  """Saves a model or a `SparseCoreTrainer`; returns the checkpoint's path.
 
-
-def _remove_others(directory: str, name: str) -> None:
-  """Removes every checkpoint and temporary entry but `name`."""
-  for entry in os.listdir(directory):
-    if entry != name and (
-      entry.startswith("ckpt_") or entry.startswith(".tmp")
-    ):
-      path = os.path.join(directory, entry)
-      if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-      else:
-        os.unlink(path)
-
-
-def save_checkpoint(directory: str | os.PathLike, model: Any) -> str:
-  """Saves `model`'s variables; returns the checkpoint's path.
-
-  With several processes every process must call it (the tables are
-  gathered collectively) and process 0 writes; `directory` must be on a
-  file system every process can read for `restore_checkpoint`.
+  With several processes every process calls it with the same arguments.
 
   Args:
-    directory: Checkpoint directory (created if missing).
-    model: A Penzai model (with bound variables).
+    directory: The checkpoint directory (created if missing), on a file
+      system every process can read and write.
+    target: A Penzai model (with bound variables) or a trainer (its model,
+      step, optax state, loss-function state and root key).
+    keep: How many checkpoints to keep (the newest); None keeps all.
+    max_host_bytes: Most bytes this process holds in flight between its
+      devices and storage at once; None is unlimited.
 
   Returns:
     The path of the new checkpoint.
 
   Raises:
-    ValueError: If a variable's value cannot be stored.
+    ValueError: If a variable's value cannot be stored or an option is
+      invalid.
   """
-  directory = os.fspath(directory)
-  os.makedirs(directory, exist_ok=True)
-  arrays, manifest = _contents(model)
-  previous = _latest(directory)
-  number = int(previous.split("_")[1]) + 1 if previous else 0
-  name = f"ckpt_{number:06d}"
-  if jax.process_index() != 0:
-    return os.path.join(directory, name)
-  final = _write(directory, name, arrays, manifest)
-  _remove_others(directory, name)
-  return final
-
-
-def _stacked(
-  embed: SparseCoreEmbed, logical: dict[str, np.ndarray], what: str
-) -> dict[str, jax.Array]:
-  plan = embed.config.plan
-  missing = sorted(set(plan.tables) - set(logical))
-  if missing:
-    raise ValueError(
-      f"checkpoint lacks {what} of tables {missing} of SparseCoreEmbed "
-      f"{embed.config.name!r}"
-    )
-  stacked = layout.stack_and_shard_tables(
-    plan.feature_specs, logical, plan.num_shards, pad_value=0.0
+  _check_options(keep, max_host_bytes)
+  description = describe(target)
+  _check_cap(description, max_host_bytes)
+  arrays = {key: _storable(v) for key, v in description.values.items()}
+  save_args = {
+    key: ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES) for key in arrays
+  }
+  directory = os.path.abspath(os.fspath(directory))
+  options = ocp.CheckpointManagerOptions(
+    max_to_keep=keep,
+    enable_async_checkpointing=False,
+    cleanup_tmp_directories=True,
+    temporary_path_class=_DurableRename,
   )
-  sharding = embed.config.topology.sharding(3)
-  return {k: from_host(v, sharding) for k, v in stacked.items()}
+  with ocp.CheckpointManager(
+    epath.Path(directory),
+    item_handlers=_handlers(max_host_bytes),
+    options=options,
+  ) as manager:
+    latest = manager.latest_step()
+    step = 0 if latest is None else latest + 1
+    manager.save(
+      step,
+      args=ocp.args.Composite(
+        **{
+          _ARRAYS: ocp.args.PyTreeSave(arrays, save_args=save_args),
+          _MANIFEST: ocp.args.JsonSave(description.manifest),
+        }
+      ),
+    )
+  return os.path.join(directory, str(step))
 
 
-def _restore_embed(
-  embed: SparseCoreEmbed, entry: dict[str, Any], arrays: Any
-) -> SparseCoreEmbed:
-  config = embed.config
-  tables = {t: arrays[e["value"]] for t, e in entry["tables"].items()}
-  new_tables = _stacked(embed, tables, "values")
-  table_vars = dict(embed.tables)
-  for stack, value in new_tables.items():
-    var = table_vars[stack]
-    if isinstance(var, pz.ParameterSlot):
-      table_vars[stack] = pz.Parameter(
-        value=named_table(config, value), label=config.table_label(stack)
-      )
-    else:
-      var.value = named_table(config, value)
-  slot_vars = {s: dict(v) for s, v in embed.slots.items()}
-  for stack_plan in config.plan.stacks:
-    stack = stack_plan.name
-    for slot in stack_plan.optimizer.slot_names():
-      logical = {
-        t: arrays[e["slots"][slot]]
-        for t, e in entry["tables"].items()
-        if slot in e["slots"]
-      }
-      value = _stacked(embed, logical, f"slot {slot!r}")[stack]
-      var = slot_vars[stack][slot]
-      if isinstance(var, pz.StateVariableSlot):
-        slot_vars[stack][slot] = pz.StateVariable(
-          value=named_table(config, value), label=config.slot_label(stack, slot)
-        )
-      else:
-        var.value = named_table(config, value)
-  return dataclasses.replace(embed, tables=table_vars, slots=slot_vars)
+# ---------------------------------------------------------------------------
+# Restoring.
 
 
-def _restored_value(old: Any, value: np.ndarray, names: list[str] | None):
-  old = getattr(old, "data_array", old)
-  if isinstance(old, jax.Array) and old.committed:
-    array = from_host(value, old.sharding)
-  else:
-    # Uncommitted, like a fresh Penzai parameter: placing it on one device
-    # would clash under jit with the mesh-sharded tables and inputs.
-    array = jax.numpy.asarray(value)
-  if names is None:
-    return array
-  return pz.nx.wrap(array).tag(*names)
+def _assign(model: Any, values: Mapping[str, Any]) -> Any:
+  """Writes restored values (by label) into the model; cannot fail."""
+
+  def fill(slot):
+    kind = (
+      pz.Parameter if isinstance(slot, pz.ParameterSlot) else pz.StateVariable
+    )
+    return kind(value=values[slot.label], label=slot.label)
+
+  model = pz.select(model).at_instances_of(SLOTS).apply(fill)
+  for var in pz.unbind_variables(model)[1]:
+    var.value = values[var.label]
+  return model
 
 
-def restore_checkpoint(directory: str | os.PathLike, model: Any) -> Any:
-  """Restores the newest checkpoint in `directory` into `model`.
+def restore_checkpoint(
+  directory: str | os.PathLike,
+  target: Any,
+  *,
+  max_host_bytes: int | None = None,
+) -> Any:
+  """Restores the newest checkpoint in `directory` into a model or trainer.
 
-  Variables already bound are updated in place; variable slots (a model
-  built with `init_base_rng=None`) are filled with new variables. The model
-  may use a different topology than the one that was saved.
+  The target may use another topology or stacking than the one saved.
+  Bound variables are updated in place; variable slots (a model built with
+  `init_base_rng=None`) are filled with new variables; values that were
+  not committed to devices stay uncommitted. A trainer gets the saved step,
+  optax state, loss-function state and root key. A model restores from a
+  trainer's checkpoint too. With several processes every process calls it.
 
   Args:
     directory: A directory written by `save_checkpoint`.
-    model: The model to restore into.
+    target: The model or `SparseCoreTrainer` to restore into.
+    max_host_bytes: Most bytes this process holds in flight between storage
+      and its devices at once; None is unlimited.
 
   Returns:
-    The model with every variable restored (the same object when nothing
-    was a slot).
+    The restored model, or the restored trainer (use the returned object:
+    its root key is new).
 
   Raises:
-    FileNotFoundError: If `directory` holds no complete checkpoint.
-    ValueError: If the checkpoint does not match the model.
+    FileNotFoundError: If `directory` holds no committed checkpoint.
+    ValueError: If the checkpoint does not match the target (naming the
+      first difference); nothing is changed then.
   """
-  directory = os.fspath(directory)
-  name = _latest(directory)
-  if name is None:
+  _check_options(None, max_host_bytes)
+  directory = os.path.abspath(os.fspath(directory))
+  steps = _steps(directory)
+  if not steps:
     raise FileNotFoundError(f"no checkpoint in {directory}")
-  path = os.path.join(directory, name)
-  with open(os.path.join(path, _MANIFEST)) as f:
-    manifest = json.load(f)
-  if manifest.get("version") != _FORMAT_VERSION:
-    raise ValueError(
-      f"{path}: unknown checkpoint version {manifest.get('version')}"
-    )
-  with np.load(os.path.join(path, _ARRAYS), allow_pickle=False) as npz:
-    arrays = {k: npz[k] for k in npz.files}
-
-  def restore_embed(embed):
-    entry = manifest["embeds"].get(embed.config.name)
-    if entry is None:
-      raise ValueError(
-        f"checkpoint {path} has no SparseCoreEmbed {embed.config.name!r}; it "
-        f"has {sorted(manifest['embeds'])}"
-      )
-    return _restore_embed(embed, entry, arrays)
-
-  model = pz.select(model).at_instances_of(SparseCoreEmbed).apply(restore_embed)
-  embed_labels = _embed_labels(model)
-  stored = manifest["variables"]
-
-  def restore_slot(slot):
-    entry = stored.get(str(slot.label))
-    if entry is None:
-      raise ValueError(f"checkpoint {path} has no variable {slot.label!r}")
-    value = _restored_value(None, arrays[entry["value"]], entry["axes"])
-    if isinstance(slot, pz.ParameterSlot):
-      return pz.Parameter(value=value, label=slot.label)
-    return pz.StateVariable(value=value, label=slot.label)
-
-  model = (
-    pz.select(model)
-    .at_instances_of(pz.ParameterSlot | pz.StateVariableSlot)
-    .apply(restore_slot)
+  path = os.path.join(directory, str(steps[-1]))
+  checkpointer = ocp.Checkpointer(
+    ocp.CompositeCheckpointHandler(**_handlers(max_host_bytes))
   )
-  _, variables = pz.unbind_variables(model)
-  for var in variables:
-    if var.label in embed_labels:
-      continue
-    entry = stored.get(str(var.label))
-    if entry is None:
-      raise ValueError(f"checkpoint {path} has no variable {var.label!r}")
-    var.value = _restored_value(
-      var.value, arrays[entry["value"]], entry["axes"]
-    )
-  return model
+  stored = checkpointer.restore(
+    path, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()})
+  )[_MANIFEST]
+  description = describe(target)
+  try:
+    check(stored, description.manifest)
+  except ValueError as e:
+    raise ValueError(f"{path}: {e}") from None
+  model = target.model if isinstance(target, SparseCoreTrainer) else target
+  reads = Reads.plan(stored, description, model)
+  arrays = checkpointer.restore(
+    path,
+    args=ocp.args.Composite(
+      **{
+        _ARRAYS: ocp.args.PyTreeRestore(
+          item=dict.fromkeys(reads.args, 0),
+          restore_args=reads.args,
+          partial_restore=True,
+        )
+      }
+    ),
+  )[_ARRAYS]
+  values = reads.values(arrays)
+  if reads.trainer is None:
+    return _assign(model, values)
+  leaves = reads.trainer_leaves(arrays)
+  return restored_trainer(
+    target, description.trainer_treedef, leaves, _assign(model, values)
+  )

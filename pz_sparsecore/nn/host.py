@@ -1,6 +1,6 @@
 """Moving sharded arrays between the devices and the host.
 
-Logical views and checkpoints work on whole arrays in host memory, while a
+Logical views work on whole arrays in host memory, while a
 table lives in shards on the devices of one or several processes. Both
 directions assume every process takes part:
 

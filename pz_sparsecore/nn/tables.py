@@ -9,7 +9,7 @@ shape `[N, V_shard, D]`. Two other views of the same values exist:
   `parallel.lookup` and `parallel.apply_gradients` take them.
 * The *logical* view (`logical_tables`, `logical_slots` and their setters):
   one `[vocab, dim]` numpy array per table, unstacked and unsharded, as a
-  user or a checkpoint sees it. Reading gathers the stack to the host;
+  user sees it. Reading gathers the stack to the host;
   writing changes only the rows of the tables given.
 
 Example: table `ta` (vocab 50, dim 8) alone in its stack on `N = 2` shards is
