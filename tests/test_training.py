@@ -480,6 +480,14 @@ def test_jax_grad_wrt_table_raises():
 # Non-finite steps.
 
 
+def assert_same_snapshot(after, before):
+  """Every table and slot of `SMALL` in `after` equals `before`, bit for bit."""
+  for name in SMALL:
+    np.testing.assert_array_equal(after[0][name], before[0][name])
+    for slot in before[1][name]:
+      np.testing.assert_array_equal(after[1][name][slot], before[1][name][slot])
+
+
 def test_check_finite_names_step_and_table_and_keeps_state():
   model = build_model(2, 1, SMALL)
   grads = {k: jnp.asarray(v) for k, v in act_grads(0, SMALL).items()}
@@ -508,10 +516,7 @@ def test_check_finite_names_step_and_table_and_keeps_state():
   assert "emb/adam.embeddings" in message
   assert "emb/ftrl.embeddings" not in message
   after = snapshot(bad.model.embed)
-  for name in SMALL:
-    np.testing.assert_array_equal(after[0][name], before[0][name])
-    for slot in before[1][name]:
-      np.testing.assert_array_equal(after[1][name][slot], before[1][name][slot])
+  assert_same_snapshot(after, before)
   np.testing.assert_array_equal(np.asarray(bad.model.w.value), w_before)
 
 
@@ -532,10 +537,7 @@ def test_check_finite_nan_loss_from_log_of_negative():
   with pytest.raises(NonFiniteUpdateError, match=r"step 0: .*loss"):
     trainer.step(inputs=inputs, grads=grads)
   after = snapshot(trainer.model.embed)
-  for name in SMALL:
-    np.testing.assert_array_equal(after[0][name], before[0][name])
-    for slot in before[1][name]:
-      np.testing.assert_array_equal(after[1][name][slot], before[1][name][slot])
+  assert_same_snapshot(after, before)
 
 
 # ---------------------------------------------------------------------------
@@ -689,10 +691,7 @@ def test_check_finite_catches_overflowing_updates_and_recovers():
   assert "emb/adam.embeddings (updated rows)" in message
   assert "emb/ftrl" not in message
   after = snapshot(trainer.model.embed)
-  for name in SMALL:
-    np.testing.assert_array_equal(after[0][name], before[0][name])
-    for slot in before[1][name]:
-      np.testing.assert_array_equal(after[1][name][slot], before[1][name][slot])
+  assert_same_snapshot(after, before)
   np.testing.assert_array_equal(np.asarray(trainer.model.w.value), w_before)
   # The next action: a sane step trains, as an unguarded trainer would.
   plain = SparseCoreTrainer.build(
