@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -333,7 +333,9 @@ def apply_gradients(
   inputs: PreprocessedInput,
   activation_grads: dict[str, jax.Array],
   step: jax.Array | int,
-) -> tuple[dict[str, jax.Array], dict[str, tuple[jax.Array, ...]]]:
+  *,
+  guard: bool = False,
+) -> tuple[Any, ...]:
   """Fused backward + optimizer update of every stack, on its own shards.
 
   Each referenced row's gradient is summed over every sample of every
@@ -350,19 +352,31 @@ def apply_gradients(
     activation_grads: Feature name → `[samples_f, dim_f]` gradient of the
       loss with respect to the feature's activations.
     step: The training step (0-based), for step-dependent optimizers.
+    guard: Also return what `undo_unless` needs to take the update back
+      (the referenced rows are read first, O(batch); the update stays in
+      place).
 
   Returns:
-    `(new_tables, new_slots)`.
+    `(new_tables, new_slots)`, and with `guard` an `UpdateGuard`.
   """
   _check_topology(plan, topology)
-  return _apply_impl(
+  new_tables, new_slots, *parts = _apply_impl(
     (plan, topology),
-    False,
+    guard,
     tables,
     slots,
     inputs,
     activation_grads,
     _hyperparameters(plan, step),
+  )
+  if not guard:
+    return new_tables, new_slots
+  fields = zip(*(parts[0][stack.name] for stack in plan.stacks), strict=True)
+  names = [stack.name for stack in plan.stacks]
+  return (
+    new_tables,
+    new_slots,
+    UpdateGuard(*(dict(zip(names, field, strict=True)) for field in fields)),
   )
 
 
@@ -427,42 +441,6 @@ class UpdateGuard(NamedTuple):
   finite: dict[str, jax.Array]
 
 
-def apply_gradients_guarded(
-  plan: Plan,
-  topology: Topology,
-  tables: dict[str, jax.Array],
-  slots: dict[str, tuple[jax.Array, ...]],
-  inputs: PreprocessedInput,
-  activation_grads: dict[str, jax.Array],
-  step: jax.Array | int,
-) -> tuple[dict[str, jax.Array], dict[str, tuple[jax.Array, ...]], UpdateGuard]:
-  """`apply_gradients`, plus what `undo_unless` needs to take it back.
-
-  Reading the referenced rows first costs O(batch); the update stays in
-  place.
-
-  Returns:
-    `(new_tables, new_slots, guard)`.
-  """
-  _check_topology(plan, topology)
-  new_tables, new_slots, parts = _apply_impl(
-    (plan, topology),
-    True,
-    tables,
-    slots,
-    inputs,
-    activation_grads,
-    _hyperparameters(plan, step),
-  )
-  fields = zip(*(parts[stack.name] for stack in plan.stacks), strict=True)
-  names = [stack.name for stack in plan.stacks]
-  return (
-    new_tables,
-    new_slots,
-    UpdateGuard(*(dict(zip(names, field, strict=True)) for field in fields)),
-  )
-
-
 def undo_unless(
   plan: Plan,
   topology: Topology,
@@ -478,7 +456,7 @@ def undo_unless(
     topology: Mesh, sharding axis, SparseCores per device.
     tables: The updated tables (donate them for an in-place write).
     slots: The updated slots.
-    guard: From `apply_gradients_guarded`.
+    guard: From `apply_gradients(..., guard=True)`.
     keep: Scalar bool: keep the update.
 
   Returns:

@@ -224,10 +224,7 @@ def _updates(
   by_label, guards = {}, []
   for embed, inputs, act_grads in active:
     config = embed.config
-    apply = (
-      parallel.apply_gradients_guarded if guard else parallel.apply_gradients
-    )
-    tables, slots, *guarded = apply(
+    tables, slots, *guarded = parallel.apply_gradients(
       config.plan,
       config.topology,
       table_arrays(embed),
@@ -235,6 +232,7 @@ def _updates(
       inputs,
       act_grads,
       state.step,
+      guard=guard,
     )
     guards += guarded
     by_label.update(_labelled(embed, tables, slots))
