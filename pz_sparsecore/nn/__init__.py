@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pz_sparsecore.nn.checkpoint import restore_checkpoint, save_checkpoint
 from pz_sparsecore.nn.embed import EmbedConfig, SparseCoreEmbed, find_embeds
+from pz_sparsecore.nn.jit import variable_jit
 from pz_sparsecore.nn.probe import ActivationProbe
 from pz_sparsecore.nn.respec import with_feature_specs
 from pz_sparsecore.nn.tables import (
@@ -32,5 +33,6 @@ __all__ = [
   "save_checkpoint",
   "set_logical_slots",
   "set_logical_tables",
+  "variable_jit",
   "with_feature_specs",
 ]
