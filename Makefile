@@ -63,6 +63,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/preprocess.py
 	$(PY) benchmarks/kernels.py
 	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/jit_paths.py
 
 # Needs about 12 GiB of free memory.
 bench-large: $(STAMP)

@@ -413,8 +413,9 @@ class SparseCoreEmbed(pz.nn.Layer):
     """Runs each stack's optimizer on the referenced rows, in place.
 
     Writes the new values into the layer's variables; use it inside
-    `pz.variable_jit(..., donate_variables=True)` so the update happens in
-    the donated buffers.
+    `pzsc.variable_jit(..., donate_variables=True)` (or Penzai's
+    `pz.variable_jit` with donation) so the update happens in the donated
+    buffers.
 
     Args:
       inputs: The buffers the activations were computed from.
