@@ -102,28 +102,12 @@ def _guess_key(args_slots: Any, kwargs_slots: Any, variables: Any) -> Any:
   )
 
 
-def variable_jit(
-  fun: Callable[..., Any], *, donate_variables: bool = False, **jit_kwargs: Any
-) -> Callable[..., Any]:
-  """Variable-aware `jax.jit` that returns only the variables a call wrote.
+def _traced(fun: Callable[..., Any]) -> Callable[..., Any]:
+  """What runs under `jax.jit`: `fun` with its variables bound.
 
-  A drop-in for `pz.variable_jit` with the same arguments and limitations
-  (every variable is passed as an argument, none is static, variables
-  created inside must be returned unbound). Unlike it, variables that the
-  call only reads are neither returned nor donated, so a forward pass does
-  not copy the embedding tables; see the module docstring.
-
-  Args:
-    fun: The function to jit; it may read and assign variables found in its
-      arguments.
-    donate_variables: Donate the variables the call writes, so their updates
-      (the fused table updates included) happen in place.
-    **jit_kwargs: Passed to `jax.jit` (donated keyword arguments through
-      `donate_argnames`).
-
-  Returns:
-    The jitted function; it updates the written variables in place and
-    returns `fun`'s result.
+  Returns the written variables' new values (in the order of the static
+  `_WRITES` indices) and `fun`'s result; raises `_WrittenSetChanged` if
+  `fun` wrote another set than `_WRITES`.
   """
 
   def inner(*args: Any, **kwargs: Any) -> Any:
@@ -154,28 +138,52 @@ def variable_jit(
     return [mutable[i].freeze() for i in writes], result
 
   inner.__signature__ = _signature_with_extras(fun)
-  jit_kwargs = dict(jit_kwargs)
-  jit_kwargs["static_argnames"] = (
-    *_names(jit_kwargs.get("static_argnames")),
+  return inner
+
+
+def _jit_options(donate_variables: bool, jit_kwargs: dict[str, Any]):
+  """`jax.jit`'s keyword arguments for `_traced(fun)`."""
+  options = dict(jit_kwargs)
+  options["static_argnames"] = (
+    *_names(options.get("static_argnames")),
     _WRITES,
   )
   if donate_variables:
-    jit_kwargs["donate_argnames"] = (
-      *_names(jit_kwargs.get("donate_argnames")),
+    options["donate_argnames"] = (
+      *_names(options.get("donate_argnames")),
       _WRITTEN,
     )
-  if "out_shardings" in jit_kwargs:
-    jit_kwargs["out_shardings"] = (None, jit_kwargs["out_shardings"])
-  jitted = jax.jit(inner, **jit_kwargs)
-  guesses: dict[Any, tuple[int, ...]] = {}
+  if "out_shardings" in options:
+    options["out_shardings"] = (None, options["out_shardings"])
+  return options
 
-  def run(method: Callable[..., Any], args: Any, kwargs: Any):
-    """Calls `method` (the jitted function or its `lower`) with the written
-    set it needs; returns the variables found and `method`'s result."""
+
+class _VariableJitted:
+  """The function `variable_jit` returns (see there)."""
+
+  def __init__(self, fun, donate_variables, jit_kwargs):
+    self._fun = fun
+    self._jitted = jax.jit(
+      _traced(fun), **_jit_options(donate_variables, jit_kwargs)
+    )
+    # Argument structure and shapes → the written set last found for them.
+    self._guesses: dict[Any, tuple[int, ...]] = {}
+    functools.update_wrapper(self, fun)
+    self.__doc__ = (
+      "Variable-aware JIT-compiled version of "
+      f"{getattr(fun, '__name__', fun)}:\n{fun.__doc__}"
+    )
+
+  def _run(self, method: Callable[..., Any], args: Any, kwargs: Any):
+    """Calls `method` (the jitted function or its `lower`) with its set.
+
+    Returns:
+      The variables of the arguments, the written set and `method`'s output.
+    """
     (args_slots, kwargs_slots), variables = pz.unbind_variables((args, kwargs))
     frozen = [var.freeze() for var in variables]
     key = _guess_key(args_slots, kwargs_slots, frozen)
-    writes = guesses.get(key, ())
+    writes = self._guesses.get(key, ())
     for _ in range(2):
       extras = {
         _READ: [v for i, v in enumerate(frozen) if i not in writes],
@@ -187,30 +195,50 @@ def variable_jit(
       except _WrittenSetChanged as changed:
         writes = changed.written
         continue
-      guesses[key] = writes
+      self._guesses[key] = writes
       return variables, writes, out
     raise RuntimeError(
-      f"{getattr(fun, '__name__', fun)!r} writes a different set of "
-      "variables every time it is traced"
+      f"{getattr(self._fun, '__name__', self._fun)!r} writes a different "
+      "set of variables every time it is traced"
     )
 
-  @functools.wraps(fun)
-  def outer(*args: Any, **kwargs: Any) -> Any:
-    variables, writes, (new_values, result) = run(jitted, args, kwargs)
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    variables, writes, (new_values, result) = self._run(
+      self._jitted, args, kwargs
+    )
     for i, value in zip(writes, new_values, strict=True):
       variables[i].update(value)
     return result
 
-  def lower(*args: Any, **kwargs: Any) -> jax.stages.Lowered:
+  def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
     """`jax.jit(...).lower` of the call with these arguments."""
-    return run(jitted.lower, args, kwargs)[2]
+    return self._run(self._jitted.lower, args, kwargs)[2]
 
-  outer.lower = lower
-  outer.__doc__ = (
-    f"Variable-aware JIT-compiled version of "
-    f"{getattr(fun, '__name__', fun)}:\n{fun.__doc__}"
-  )
-  return outer
+
+def variable_jit(
+  fun: Callable[..., Any], *, donate_variables: bool = False, **jit_kwargs: Any
+) -> Callable[..., Any]:
+  """Variable-aware `jax.jit` that returns only the variables a call wrote.
+
+  A drop-in for `pz.variable_jit` with the same arguments and limitations
+  (every variable is passed as an argument, none is static, variables
+  created inside must be returned unbound). Unlike it, variables that the
+  call only reads are neither returned nor donated, so a forward pass does
+  not copy the embedding tables; see the module docstring.
+
+  Args:
+    fun: The function to jit; it may read and assign variables found in its
+      arguments.
+    donate_variables: Donate the variables the call writes, so their updates
+      (the fused table updates included) happen in place.
+    **jit_kwargs: Passed to `jax.jit` (donated keyword arguments through
+      `donate_argnames`).
+
+  Returns:
+    The jitted function (with a `lower` method like `jax.jit`'s); a call
+    updates the written variables and returns `fun`'s result.
+  """
+  return _VariableJitted(fun, donate_variables, jit_kwargs)
 
 
 def _names(names: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
