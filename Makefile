@@ -21,7 +21,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 # The kernel tests against the kernels built with AddressSanitizer and
 # UndefinedBehaviorSanitizer: a separate CMake build (not pip's), loaded

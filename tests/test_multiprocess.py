@@ -12,6 +12,10 @@ import pytest
 
 import pz_sparsecore as pzsc
 
+# One worker runs every test of this module, so the module fixture (three
+# processes, about a minute) runs once per session, not once per worker.
+pytestmark = pytest.mark.xdist_group("multiprocess")
+
 WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
 ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
