@@ -46,6 +46,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get(
     + " --xla_force_host_platform_device_count=8"
   ).strip()
 
+import _fdo  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -107,12 +108,15 @@ def build(vocab: int) -> tuple[Model, list]:
     ]
   )
   rng = np.random.default_rng(0)
-  batches = []
-  for _ in range(4):
-    ids = rng.integers(0, vocab, (BATCH, IDS))
-    inputs, _ = embed.preprocess({"ids": ids})
-    targets = jnp.asarray(rng.normal(size=(BATCH, OUT)), jnp.float32)
-    batches.append((inputs, targets))
+  ids = [rng.integers(0, vocab, (BATCH, IDS)) for _ in range(4)]
+  embed = _fdo.tuned(embed, ({"ids": x} for x in ids))
+  batches = [
+    (
+      embed.preprocess({"ids": x})[0],
+      jnp.asarray(rng.normal(size=(BATCH, OUT)), jnp.float32),
+    )
+    for x in ids
+  ]
   return Model(embed=embed, head=head), batches
 
 

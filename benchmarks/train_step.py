@@ -30,7 +30,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 BATCH, IDS, DIM, OUT = 2048, 8, 32, 16
@@ -78,6 +77,7 @@ def _batches(vocab: int):
 
 
 def _run_ours(vocab: int, optimizer: str):
+  import _fdo
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -85,7 +85,6 @@ def _run_ours(vocab: int, optimizer: str):
   from jax.sharding import Mesh
   from penzai import pz
 
-  import pz_sparsecore as pzsc
   from pz_sparsecore import specs
   from pz_sparsecore.nn.embed import SparseCoreEmbed
   from pz_sparsecore.nn.training import SparseCoreTrainer
@@ -139,23 +138,9 @@ def _run_ours(vocab: int, optimizer: str):
     loss = jnp.mean((pred - targets) ** 2)
     return loss, state, {"loss": loss}
 
-  # Limits as FDO would set them: the observed maxima of the batches plus
-  # 25% headroom (the specs above start from the worst case, which would
-  # size every buffer and exchange for 8x the ids a device actually sees).
   data = _batches(vocab)
-  fdo = pzsc.NPZFileFDOClient(tempfile.mkdtemp())
-  for ids, _ in data:
-    fdo.record(embed.preprocess({"ids": ids})[1])
-  fdo.publish()
-  tuned = pzsc.update_preprocessing_parameters(
-    embed.config.plan.specs_tree,
-    pzsc.scale_stats(fdo.load(), 1.25),
-    1,
-    global_device_count=len(jax.devices()),
-  )
-  model = dataclasses.replace(
-    model, embed=pzsc.with_feature_specs(embed, tuned)
-  )
+  tuned = _fdo.tuned(embed, ({"ids": ids} for ids, _ in data))
+  model = dataclasses.replace(model, embed=tuned)
   trainer = SparseCoreTrainer.build(
     jax.random.key(2), model, optax.adam(1e-3), loss_fn
   )
