@@ -1,13 +1,24 @@
-"""Throughput of the host-side preprocessor, and of upstream's when installed.
+"""Throughput of the host-side preprocessor against jax-tpu-embedding's.
 
-26 features x global batch 4096, ragged rows of 0-40 Zipf-distributed ids
-(vocabulary 1M per feature, one table each), 8 partitions (G = L = 8, S = 1),
-`has_leading_dimension=True`. Limits and the COO buffer size are set from a
-first pass's stats (as FDO would). Prints M ids/s for pz_sparsecore and, when
-`jax_tpu_embedding` (PyPI 0.1.0) is importable, for its C++ preprocessor on
-the same input, after checking that both produce the same buffers.
+26 features x global batch 4096 (one table of 1M rows each, "mean"),
+`has_leading_dimension=True`, every device local, on three topologies:
+G = 8 devices x S = 1 SparseCore, G = 4 x S = 2 and G = 1 x S = 4. Ragged
+batches hold rows of 0-40 Zipf(1.2) ids, given as a 1-D object array of
+int32 rows, a list of int32 rows, or a `(values, row_splits)` tuple; the
+dense batch is `[4096, 20]` Zipf(1.2) ids. Limits and the COO buffer size
+come from a first pass's stats (as FDO would).
 
-Run: `python benchmarks/preprocess.py [--runs 9]`.
+Each row times pz_sparsecore and, when `jax_tpu_embedding` (PyPI 0.1.0) is
+importable, its C++ preprocessor on the same batch, interleaved (both see
+the same load), and prints the ratio (upstream's time over ours: above 1 is
+faster) and whether the buffers (every valid entry of every partition, and
+the row pointers) and the stats equal upstream's. Upstream reads only numpy
+arrays (1-D object or 2-D dense): for lists and tuples it is timed on the
+same ids as an object array, as the last column says. It runs on our
+prepared specs, handed over with the attributes its C++ reads; the raw
+pybind call takes any S (upstream's Python API only S in {2, 4}).
+
+Run: `python benchmarks/preprocess.py [--runs 7]`.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import argparse
 import os
 import statistics
 import time
+import types
 from typing import Any
 
 import jax
@@ -28,87 +40,114 @@ from pz_sparsecore import specs as sp
 NUM_FEATURES = 26
 GLOBAL_BATCH = 4096
 MAX_IDS_PER_SAMPLE = 40
+DENSE_IDS_PER_SAMPLE = 20
 VOCAB = 1_000_000
 ZIPF_A = 1.2
-G = L = 8
-S = 1
+TOPOLOGIES = ((8, 1), (4, 2), (1, 4))  # (G = L, S)
 
 
-def make_batch(seed: int = 0) -> tuple[dict[str, np.ndarray], int]:
-  """Ragged int32 rows per feature (object arrays) and the total id count."""
+def _zipf_ids(rng: np.random.Generator, n: int) -> np.ndarray:
+  return ((rng.zipf(ZIPF_A, size=n) - 1) % VOCAB).astype(np.int32)
+
+
+def make_batches(seed: int = 0) -> dict[str, tuple[dict[str, Any], Any]]:
+  """Per input format: our features and upstream's (None: same)."""
   rng = np.random.default_rng(seed)
-  features = {}
-  total = 0
+  objects, lists, tuples, dense = {}, {}, {}, {}
   for f in range(NUM_FEATURES):
+    name = f"f{f:02d}"
     lengths = rng.integers(0, MAX_IDS_PER_SAMPLE + 1, size=GLOBAL_BATCH)
-    ids = ((rng.zipf(ZIPF_A, size=int(lengths.sum())) - 1) % VOCAB).astype(
-      np.int32
+    ids = _zipf_ids(rng, int(lengths.sum()))
+    splits = np.concatenate([[0], np.cumsum(lengths)])
+    rows = np.split(ids, splits[1:-1])
+    objects[name] = np.empty(GLOBAL_BATCH, dtype=object)
+    objects[name][:] = rows
+    lists[name] = rows
+    tuples[name] = (ids, splits)
+    dense[name] = _zipf_ids(rng, GLOBAL_BATCH * DENSE_IDS_PER_SAMPLE).reshape(
+      GLOBAL_BATCH, DENSE_IDS_PER_SAMPLE
     )
-    rows = np.empty(GLOBAL_BATCH, dtype=object)
-    rows[:] = np.split(ids, np.cumsum(lengths)[:-1])
-    features[f"f{f:02d}"] = rows
-    total += len(ids)
-  return features, total
+  return {
+    "object array": (objects, None),
+    "list of arrays": (lists, objects),
+    "(values, row_splits)": (tuples, objects),
+    f"dense [B, {DENSE_IDS_PER_SAMPLE}]": (dense, None),
+  }
 
 
-def build_specs(
-  spec_module, max_ids: int, max_unique: int, suggested: int | None
-):
-  """The benchmark's feature specs; both libraries take the same fields."""
+def our_specs(
+  g: int, s: int, max_ids: int, max_unique: int, suggested: int | None
+) -> dict[str, sp.FeatureSpec]:
+  """The benchmark's feature specs, prepared for `g` devices x `s` SCs."""
   specs = {}
   for f in range(NUM_FEATURES):
-    table = spec_module.TableSpec(
+    table = sp.TableSpec(
       name=f"t{f:02d}",
       vocabulary_size=VOCAB,
       embedding_dim=16,
       initializer=jax.nn.initializers.zeros,
-      optimizer=spec_module.SGDOptimizerSpec(),
+      optimizer=sp.SGDOptimizerSpec(),
       combiner="mean",
       max_ids_per_partition=max_ids,
       max_unique_ids_per_partition=max_unique,
       suggested_coo_buffer_size_per_device=suggested,
     )
-    specs[f"f{f:02d}"] = spec_module.FeatureSpec(
+    specs[f"f{f:02d}"] = sp.FeatureSpec(
       name=f"f{f:02d}",
       table_spec=table,
       input_shape=[GLOBAL_BATCH, MAX_IDS_PER_SAMPLE],
       output_shape=[GLOBAL_BATCH, 16],
     )
-  return specs
+  return layout.prepare_feature_specs_for_training(specs, g, s)
 
 
-def our_specs(max_ids: int, max_unique: int, suggested: int | None):
-  specs = build_specs(sp, max_ids, max_unique, suggested)
-  return layout.prepare_feature_specs_for_training(specs, G, S)
+def _as_upstream(feature: sp.FeatureSpec) -> types.SimpleNamespace:
+  """A prepared spec with the attributes upstream's C++ reads."""
+  ns = types.SimpleNamespace
+  table = feature.table_spec
+  stacked = table.stacked_table_spec
+  ids = feature.id_transformation
+  return ns(
+    name=feature.name,
+    input_shape=list(feature.input_shape),
+    _id_transformation=ns(
+      row_offset=ids.row_offset,
+      col_offset=ids.col_offset,
+      col_shift=ids.col_shift,
+    ),
+    table_spec=ns(
+      vocabulary_size=table.vocabulary_size,
+      setting_in_stack=ns(stack_name=table.setting_in_stack.stack_name),
+      stacked_table_spec=ns(
+        combiner=stacked.combiner,
+        max_ids_per_partition=stacked.max_ids_per_partition,
+        max_unique_ids_per_partition=stacked.max_unique_ids_per_partition,
+        suggested_coo_buffer_size_per_device=(
+          stacked.suggested_coo_buffer_size_per_device
+        ),
+      ),
+    ),
+  )
 
 
-def upstream_call(max_ids: int, max_unique: int, suggested: int | None):
+def upstream_preprocessor(specs: dict[str, sp.FeatureSpec], g: int, s: int):
   """A callable running upstream's preprocessor, or None if not installed."""
   try:
     from jax_tpu_embedding.sparsecore.lib.core import (
       pybind_input_preprocessing as pybind,
     )
-    from jax_tpu_embedding.sparsecore.lib.nn import embedding
-    from jax_tpu_embedding.sparsecore.lib.nn import embedding_spec as es
   except ImportError:
     return None
-  specs = build_specs(es, max_ids, max_unique, suggested)
-  # Upstream's prepare only accepts S in {2, 4}; the stacking depends on
-  # N = G * S alone, so prepare for the same N with S = 2.
-  embedding.prepare_feature_specs_for_training(
-    specs, global_device_count=G * S // 2, num_sc_per_device=2
-  )
-  spec_leaves = jax.tree.leaves(specs)
+  spec_leaves = [_as_upstream(f) for f in jax.tree.leaves(specs)]
 
-  def run(features):
-    # S = 1 is only accepted by the raw pybind function.
+  def run(features: dict[str, Any]):
     return pybind.preprocess_sparse_dense_matmul_input(
       jax.tree.leaves(features),
       None,
       spec_leaves,
-      L,
-      G,
-      num_sc_per_device=S,
+      g,
+      g,
+      num_sc_per_device=s,
       sharding_strategy=pybind.ShardingStrategy.MOD,
       has_leading_dimension=True,
       allow_id_dropping=False,
@@ -117,29 +156,39 @@ def upstream_call(max_ids: int, max_unique: int, suggested: int | None):
   return run
 
 
-def valid_entries_equal(ours, theirs) -> bool:
-  """Row pointers equal and entries equal inside every partition's range."""
-  n = G * S
+def buffers_equal(ours: pp.PreprocessedInput, theirs: Any, s: int) -> bool:
+  """Row pointers equal, and entries equal inside every partition's range."""
   for stack, rp in ours.lhs_row_pointers.items():
     if not np.array_equal(rp, theirs[0][stack]):
       return False
-    rp = rp.reshape(L, S, -1)
+    num_local = rp.shape[0]
+    rp = rp.reshape(num_local * s, -1)
     for field, other in zip(
       ("lhs_embedding_ids", "lhs_sample_ids", "lhs_gains"),
       theirs[1:4],
       strict=True,
     ):
-      a = getattr(ours, field)[stack].reshape(L, S, -1)
-      b = other[stack].reshape(L, S, -1)
-      for d in range(L):
-        for s in range(S):
-          start = 0
-          for p in range(n):
-            end = rp[d, s, p]
-            if not np.array_equal(a[d, s, start:end], b[d, s, start:end]):
-              return False
-            start = -(-int(end) // 8) * 8
+      a = getattr(ours, field)[stack].reshape(num_local * s, -1)
+      b = other[stack].reshape(num_local * s, -1)
+      for sc in range(num_local * s):
+        start = 0
+        for end in rp[sc]:
+          if not np.array_equal(a[sc, start:end], b[sc, start:end]):
+            return False
+          start = max(start, -(-int(end) // 8) * 8)
   return True
+
+
+def stats_equal(ours: pp.SparseDenseMatmulInputStats, theirs: Any) -> bool:
+  pairs = (
+    (ours.max_ids_per_partition, theirs.max_ids_per_partition),
+    (ours.max_unique_ids_per_partition, theirs.max_unique_ids_per_partition),
+    (ours.required_buffer_size_per_sc, theirs.required_buffer_sizes),
+  )
+  return all(
+    a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    for a, b in pairs
+  ) and ours.id_drop_counters == dict(theirs.dropped_id_count)
 
 
 def timeit(fns: dict[str, Any], runs: int) -> dict[str, float]:
@@ -148,7 +197,6 @@ def timeit(fns: dict[str, Any], runs: int) -> dict[str, float]:
   Interleaving makes both implementations see the same background load.
   """
   for fn in fns.values():
-    fn()
     fn()
   times: dict[str, list[float]] = {name: [] for name in fns}
   for _ in range(runs):
@@ -159,65 +207,79 @@ def timeit(fns: dict[str, Any], runs: int) -> dict[str, float]:
   return {name: statistics.median(t) for name, t in times.items()}
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--runs", type=int, default=15)
-  args = parser.parse_args()
-  features, total = make_batch()
-  print(
-    f"{NUM_FEATURES} features x batch {GLOBAL_BATCH}, 0-{MAX_IDS_PER_SAMPLE} "
-    f"Zipf({ZIPF_A}) ids per sample over {VOCAB:,} rows: {total:,} ids; "
-    f"G=L={G}, S={S}; {os.cpu_count()} CPUs"
-  )
-  _, stats = pp.preprocess_sparse_dense_matmul_input(
-    features,
-    None,
-    our_specs(2**16, 2**16, None),
-    L,
-    G,
-    num_sc_per_device=S,
-    has_leading_dimension=True,
-  )
-  max_ids = int(max(v.max() for v in stats.max_ids_per_partition.values()))
-  max_unique = int(
-    max(v.max() for v in stats.max_unique_ids_per_partition.values())
-  )
-  suggested = int(
-    max(v.max() for v in stats.required_buffer_size_per_sc.values()) * S
-  )
-  print(
-    f"limits from a first pass: max_ids={max_ids} max_unique={max_unique} "
-    f"suggested_coo_buffer_size_per_device={suggested}"
-  )
-  specs = our_specs(max_ids, max_unique, suggested)
+def fdo_specs(batches: dict[str, Any], g: int, s: int) -> dict[str, Any]:
+  """Specs whose limits and buffer size fit every batch (a first pass)."""
+  loose = our_specs(g, s, 2**16, 2**16, 2**16 * s)
+  max_ids = max_unique = required = 0
+  for features, _ in batches.values():
+    _, stats = pp.preprocess_sparse_dense_matmul_input(
+      features, None, loose, g, g, num_sc_per_device=s
+    )
+    for v in stats.max_ids_per_partition.values():
+      max_ids = max(max_ids, int(v.max()))
+    for v in stats.max_unique_ids_per_partition.values():
+      max_unique = max(max_unique, int(v.max()))
+    for v in stats.required_buffer_size_per_sc.values():
+      required = max(required, int(v.max()))
+  return our_specs(g, s, max_ids, max_unique, required * s)
 
-  def ours():
-    return pp.preprocess_sparse_dense_matmul_input(
-      features,
-      None,
-      specs,
-      L,
-      G,
-      num_sc_per_device=S,
-      has_leading_dimension=True,
+
+def bench_topology(batches: dict[str, Any], g: int, s: int, runs: int):
+  """Prints one row per input format on `g` devices x `s` SparseCores."""
+  specs = fdo_specs(batches, g, s)
+  upstream = upstream_preprocessor(specs, g, s)
+  for fmt, (features, upstream_features) in batches.items():
+    upstream_features = (
+      features if upstream_features is None else upstream_features
     )
 
-  fns = {"pz_sparsecore": ours}
-  upstream = upstream_call(max_ids, max_unique, suggested)
-  if upstream is not None:
-    fns["jax_tpu_embedding"] = lambda: upstream(features)
-  times = timeit(fns, args.runs)
-  for name, t in times.items():
-    print(f"{name:20s} {t * 1e3:8.2f} ms  {total / t / 1e6:7.1f} M ids/s")
-  if upstream is None:
-    print("jax_tpu_embedding    not installed")
-    return
-  same = valid_entries_equal(ours()[0], upstream(features))
-  ratio = times["jax_tpu_embedding"] / times["pz_sparsecore"]
-  print(
-    f"ratio (ours / upstream throughput): {ratio:.2f}x; buffers equal "
-    f"inside every partition: {same}"
+    def ours(features=features):
+      return pp.preprocess_sparse_dense_matmul_input(
+        features,
+        None,
+        specs,
+        g,
+        g,
+        num_sc_per_device=s,
+        has_leading_dimension=True,
+      )
+
+    fns = {"ours": ours}
+    if upstream is not None:
+      fns["upstream"] = lambda x=upstream_features: upstream(x)
+    t = timeit(fns, runs)
+    row = f"{fmt:22s} G={g} S={s}  ours {t['ours'] * 1e3:7.1f} ms"
+    if upstream is None:
+      print(row + "  upstream not installed")
+      continue
+    buffers, stats = ours()
+    theirs = upstream(upstream_features)
+    same = buffers_equal(buffers, theirs, s)
+    same_stats = stats_equal(stats, theirs[-1])
+    given = "same input" if upstream_features is features else "object array"
+    print(
+      f"{row}  upstream {t['upstream'] * 1e3:7.1f} ms  "
+      f"ratio {t['upstream'] / t['ours']:5.2f}x  buffers equal {same!s:5s} "
+      f"stats equal {same_stats!s:5s} upstream input: {given}"
+    )
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--runs", type=int, default=7)
+  args = parser.parse_args()
+  batches = make_batches()
+  ragged_ids = sum(
+    len(v[0]) for v in batches["(values, row_splits)"][0].values()
   )
+  print(
+    f"{NUM_FEATURES} features x batch {GLOBAL_BATCH}, vocabulary {VOCAB:,}: "
+    f"ragged 0-{MAX_IDS_PER_SAMPLE} Zipf({ZIPF_A}) ids per sample "
+    f"({ragged_ids:,} ids), dense {DENSE_IDS_PER_SAMPLE} per sample; "
+    f"{os.cpu_count()} CPUs; ratio = upstream ms / ours (> 1: ours faster)"
+  )
+  for g, s in TOPOLOGIES:
+    bench_topology(batches, g, s, args.runs)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,14 @@ Per work item, in phases:
    `p = (id + rotation) % N` and `local_row = id // N + row_offset_in_shard`,
    its SC-local sample id and its gain (weight over the sample's combiner
    divisor). Each entry is packed as `key << 32 | insertion_index`, and the
-   radix histograms and per-partition counts are taken on the way.
+   radix histograms are taken on the way.
 2. `_radix_sort`: stable LSD radix sort by `key` (at most 11 bits per pass).
    Insertion order is monotone in the sample id, so entries end up sorted by
    (partition, local row, sample). Unweighted stacks pack the sample id
    instead of the insertion index (their gain depends on the sample only).
-3. `_write_segment` walks the partitions: `_write_partition` merges
+3. `_write_segment` walks the partitions (found by binary search in the
+   sorted keys, partition `p` holding keys `[p * V_shard, (p + 1) * V_shard)`):
+   `_write_partition` merges
    duplicate (sample, row) pairs, counts pairs and distinct rows (the stats,
    before dropping), applies the drop rule and writes the partition; `_pad`
    fills its alignment gap and, after the last partition, the rest of the
@@ -55,7 +57,7 @@ _round_up = _inline(buffer_format.round_up)
 
 
 class Batch(NamedTuple):
-  """The ids of a chunk of stacks: every feature's rows end to end.
+  """The ids of every stack: every feature's rows end to end.
 
   Attributes:
     values: int32 or int64 ids.
@@ -73,7 +75,7 @@ class Batch(NamedTuple):
 
 
 class Features(NamedTuple):
-  """Per feature of the chunk (stack by stack, in sample order), int64.
+  """Per feature (stack by stack, in sample order), int64.
 
   Attributes:
     first_row: The feature's first row in `Batch.row_splits`.
@@ -93,7 +95,7 @@ class Features(NamedTuple):
 
 
 class Stacks(NamedTuple):
-  """Per stack of the chunk, int64.
+  """Per stack, int64.
 
   Attributes:
     first_feature: `[T + 1]`; stack `t` has the features
@@ -175,7 +177,6 @@ class _Entries(NamedTuple):
   keys: np.ndarray  # key << 32 | low, in insertion order
   tmp: np.ndarray  # radix sort scratch
   hist: np.ndarray  # [passes, 2**digit_bits] digit counts
-  per_partition: np.ndarray  # [N] entries per partition
   sample: np.ndarray  # per entry (weighted stacks)
   gain: np.ndarray  # per entry (weighted stacks)
   sample_gain: np.ndarray  # per sample (unweighted stacks)
@@ -197,7 +198,7 @@ class _Segment(NamedTuple):
 
 
 @_inline
-def _entries(n, stacks, t, num_shards):
+def _entries(n, stacks, t):
   """Scratch for `n` entries of stack `t`."""
   key_bits = stacks.key_bits[t]
   passes = 0
@@ -212,7 +213,6 @@ def _entries(n, stacks, t, num_shards):
     keys=np.empty(n, np.int64),
     tmp=np.empty(n, np.int64),
     hist=np.zeros((max(passes, 1), 1 << digit_bits), np.int64),
-    per_partition=np.zeros(num_shards, np.int64),
     sample=np.empty(n if weighted else 0, np.int32),
     gain=np.empty(n if weighted else 0, np.float32),
     sample_gain=np.empty(
@@ -248,7 +248,7 @@ def _divisor(combiner, weighted, weights, a, b):
 def _pack_entries(batch, features, stacks, scalars, t, sc, entries):
   """Packs the entries of stack `t` on SparseCore `sc` (`d * S + s`)."""
   values, weights, row_splits = batch.values, batch.weights, batch.row_splits
-  keys, hist, counts = entries.keys, entries.hist, entries.per_partition
+  keys, hist = entries.keys, entries.hist
   passes, digit_bits = entries.passes, entries.digit_bits
   mask = (1 << digit_bits) - 1
   shard_rows = stacks.rows_per_shard[t]
@@ -273,7 +273,6 @@ def _pack_entries(batch, features, stacks, scalars, t, sc, entries):
         e = np.int64(values[j])
         p = (e + shift) & last_shard
         key = p * shard_rows + (e >> log2_shards) + local_offset
-        counts[p] += 1
         for q in range(passes):
           hist[q, (key >> (q * digit_bits)) & mask] += 1
         if weighted_stack:
@@ -403,7 +402,9 @@ def _write_segment(w, srt, entries, seg, scalars, out):
   num_shards = scalars.num_shards
   pos = i = dropped = overflowed = need = 0
   for p in range(num_shards):
-    end = i + entries.per_partition[p]
+    end = len(srt)
+    if p < num_shards - 1:
+      end = np.searchsorted(srt, ((p + 1) * seg.rows_per_shard) << 32)
     pos, pairs, unique, d, o = _write_partition(
       srt, i, end, pos, p * seg.rows_per_shard, entries, seg, out
     )
@@ -432,7 +433,7 @@ def _fill_item(w, batch, features, stacks, scalars, out):
   t = w // items_per_stack
   sc = w % items_per_stack  # d * S + s
   n = batch.item_size[w]
-  entries = _entries(n, stacks, t, scalars.num_shards)
+  entries = _entries(n, stacks, t)
   _pack_entries(batch, features, stacks, scalars, t, sc, entries)
   srt = _radix_sort(entries, n)
   seg = _segment(stacks, scalars, t, sc)
@@ -444,11 +445,11 @@ def fill_buffers(batch, features, stacks, scalars, out):
   """Fills the output buffers and per-SparseCore stats of every work item.
 
   Args:
-    batch: The chunk's ids (`Batch`).
-    features: Per feature of the chunk (`Features`).
-    stacks: Per stack of the chunk (`Stacks`).
+    batch: The ids (`Batch`).
+    features: Per feature (`Features`).
+    stacks: Per stack (`Stacks`).
     scalars: The sizes (`Scalars`).
-    out: Where to write (`Outputs`); the per-item stats are the chunk's.
+    out: Where to write (`Outputs`).
   """
   # The work item is a function of its own, not the loop body: a parfor
   # loses the writes through arrays held in a tuple (numba issue 5872).

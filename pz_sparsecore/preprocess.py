@@ -58,18 +58,17 @@ Unlike upstream, all input errors raise `ValueError` naming the feature and
 the value, every output byte is defined, inputs are never modified, and ids
 of any integer dtype are read correctly.
 
-Implementation: `ragged_input` converts and validates the inputs
-(vectorised), a chunk of stacks at a time; `_fill_numba.fill_buffers` does the
-per-SparseCore work in one numba kernel, parallel over (stack, device,
-SparseCore) work items: radix sort by physical row, then one walk that
-merges, counts, drops and writes. The kernel releases the GIL, so it
-processes one chunk while Python converts the next. The sizes and offsets
-come from the `plan.Plan`.
+Implementation: `ragged_input` reads and validates every feature's ids into
+one flat array (its compiled reader walks object arrays and lists with no
+Python-level loop: a few milliseconds for millions of ids);
+`_fill_numba.fill_buffers` then does the per-SparseCore work of every stack
+in one numba kernel launch, parallel over (stack, device, SparseCore) work
+items: radix sort by physical row, then one walk that merges, counts, drops
+and writes. The sizes and offsets come from the `plan.Plan`.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import threading
 import warnings
@@ -87,7 +86,6 @@ from pz_sparsecore.buffer_format import (
   compute_theoretical_max_coo_buffer_size,
 )
 
-_PIPELINE_CHUNKS = 8
 # Serialises kernel launches: numba's fallback threading layer (workqueue)
 # aborts on concurrent parallel regions, and the kernels are parallel anyway.
 _KERNEL_LOCK = threading.Lock()
@@ -360,32 +358,10 @@ def preprocess_for_plan(
     )
   call = _Call.allocate(plan, int(local_device_count), bool(allow_id_dropping))
   leaves = dict(zip(names, zip(ids, weights, strict=True), strict=True))
-
-  # Convert, validate and launch the kernel chunk by chunk of stacks: the
-  # kernel (which releases the GIL) runs on one chunk while Python converts
-  # the next.
-  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-    launched = []
-    try:
-      for t0, t1 in _chunks(len(plan.stacks)):
-        args = _kernel_args(call, t0, t1, leaves)
-        launched.append(pool.submit(_run_kernel, args))
-    finally:
-      concurrent.futures.wait(launched)
-    for future in launched:
-      future.result()
-  return _results(call, has_leading_dimension)
-
-
-def _run_kernel(args: tuple[Any, ...]) -> None:
+  args = _kernel_args(call, leaves)
   with _KERNEL_LOCK:
     _fill_numba.fill_buffers(*args)
-
-
-def _chunks(num_stacks: int) -> list[tuple[int, int]]:
-  """Stack ranges converted (and processed) together."""
-  size = max(1, -(-num_stacks // _PIPELINE_CHUNKS))
-  return [(t, min(t + size, num_stacks)) for t in range(0, num_stacks, size)]
+  return _results(call, has_leading_dimension)
 
 
 # ---------------------------------------------------------------------------
@@ -441,10 +417,10 @@ class _Call:
 
 
 def _kernel_args(
-  call: _Call, t0: int, t1: int, leaves: dict[str, tuple[Any, Any]]
+  call: _Call, leaves: dict[str, tuple[Any, Any]]
 ) -> tuple[Any, ...]:
-  """Converts and validates stacks `[t0, t1)`; the kernel's arguments."""
-  stacks = call.plan.stacks[t0:t1]
+  """Converts and validates every stack's inputs; the kernel's arguments."""
+  stacks = call.plan.stacks
   features = [f for stack in stacks for f in stack.features]
   batch = ragged_input.read_batch(
     features,
@@ -461,7 +437,6 @@ def _kernel_args(
   first_feature = ragged_input.splits_from_lengths(
     [len(s.features) for s in stacks]
   )
-  items = slice(t0 * call.items_per_stack, t1 * call.items_per_stack)
   return (
     _fill_numba.Batch(
       values=batch.values,
@@ -470,15 +445,9 @@ def _kernel_args(
       item_size=_item_sizes(batch, rows_per_sc, first_feature, call),
     ),
     _feature_arrays(features, batch, rows_per_sc),
-    _stack_arrays(call, t0, t1, first_feature, batch.weighted),
+    _stack_arrays(call, first_feature, batch.weighted),
     _scalars(call),
-    call.out._replace(
-      obs_ids=call.out.obs_ids[items],
-      obs_unique=call.out.obs_unique[items],
-      required=call.out.required[items],
-      dropped=call.out.dropped[items],
-      overflowed=call.out.overflowed[items],
-    ),
+    call.out,
   )
 
 
@@ -541,13 +510,9 @@ def _feature_arrays(
 
 
 def _stack_arrays(
-  call: _Call,
-  t0: int,
-  t1: int,
-  first_feature: np.ndarray,
-  feature_weighted: np.ndarray,
+  call: _Call, first_feature: np.ndarray, feature_weighted: np.ndarray
 ) -> _fill_numba.Stacks:
-  stacks = call.plan.stacks[t0:t1]
+  stacks = call.plan.stacks
   return _fill_numba.Stacks(
     first_feature=first_feature,
     combiner=_int_array(stacks, lambda s: _COMBINER_CODES[s.spec.combiner]),
@@ -560,8 +525,8 @@ def _stack_arrays(
       stacks, lambda s: int(s.spec.stack_vocab_size - 1).bit_length()
     ),
     coo_per_sc=_int_array(stacks, lambda s: s.coo_per_sc),
-    coo_offset=call.coo_offset[t0:t1],
-    row_pointer_offset=call.row_pointer_offset[t0:t1],
+    coo_offset=call.coo_offset[:-1],
+    row_pointer_offset=call.row_pointer_offset[:-1],
     samples_per_sc=_int_array(stacks, lambda s: s.samples_per_sc),
     weighted=np.logical_or.reduceat(feature_weighted, first_feature[:-1]),
   )

@@ -13,19 +13,28 @@ weights (optional, per feature) have the ids' shape and must be finite as
 float32. A bad batch raises `ValueError` naming the feature, the value and the
 sample. Inputs are never modified.
 
-`read_batch` converts the features of a chunk of stacks into one `FlatBatch`:
+`read_batch` converts the features into one `FlatBatch`:
 every feature's rows end to end over one flat id array. Example: feature `a`
 with rows `[[3, 8], [5]]` and feature `b` with `(values=[1, 2, 2],
 row_splits=[0, 0, 3])` give `values = [3, 8, 5, 1, 2, 2]`,
-`row_splits = [0, 2, 3, 3, 6]` and `first_row = [0, 2]`. The fast path
-concatenates every row of every feature at once; anything unusual (float or
-mixed dtypes, malformed rows) goes through the per-feature conversion, which
-names the offending feature.
+`row_splits = [0, 2, 3, 3, 6]` and `first_row = [0, 2]`.
+
+Reading. The compiled reader (`_pzsc_ragged`, `csrc/ragged_reader.cc`)
+walks the object arrays, lists and arrays of every feature with the C API
+and writes every id, range checked, straight into the flat array: no
+Python-level loop over rows. A feature it cannot read (another container,
+rows that are not integer arrays, bad row splits, an id out of range) goes
+through the Python conversion, which raises naming the feature and the value,
+or reads an unusual but valid batch. Without the compiled reader (not built),
+importing this module warns once (`ReaderFallbackWarning`) and every batch
+goes through the Python conversion.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +42,32 @@ import numpy as np
 
 if TYPE_CHECKING:
   from pz_sparsecore.plan import FeaturePlan
+
+# Ids of larger vocabularies do not fit int32.
+_INT32_LIMIT = 2**31
+_INT64_MAX = 2**63 - 1
+
+
+class ReaderFallbackWarning(RuntimeWarning):
+  """The Python conversion reads ids where the compiled reader was expected."""
+
+
+def _load_reader() -> Any:
+  """The compiled reader module, or None (with a warning) if it cannot load."""
+  try:
+    return importlib.import_module("pz_sparsecore._pzsc_ragged")
+  except ImportError as e:
+    warnings.warn(
+      f"the compiled ragged-id reader did not load ({e}); preprocessing "
+      "converts ids in Python, several times slower (rebuild with "
+      "`pip install -e .`)",
+      ReaderFallbackWarning,
+      stacklevel=2,
+    )
+    return None
+
+
+_READER = _load_reader()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +84,7 @@ class Ragged:
 
 @dataclasses.dataclass(frozen=True)
 class FlatBatch:
-  """The features of a chunk, their rows end to end, converted and checked.
+  """The features, their rows end to end, converted and checked.
 
   Attributes:
     values: int32 or int64 ids of every row of every feature.
@@ -122,18 +157,29 @@ def _concat_rows(name: str, rows: Any, what: str) -> Ragged:
     raise _bad_rows(name, what, e) from e
   if values.ndim != 1 or len(values) != splits[-1]:
     raise ValueError(f"feature {name!r}: rows of ragged {what} must be 1-D")
-  if values.dtype.kind not in "iu" and what == "ids":
-    # Empty rows made with np.array([]) are float64; ignore their dtype.
-    nonempty = [r for r in rows if len(r)]
-    values = np.concatenate(nonempty) if nonempty else np.zeros(0, np.int32)
-    if values.dtype.kind not in "iu":
-      for i, row in enumerate(rows):
-        row = np.asarray(row)
-        if row.size and row.dtype.kind not in "iu":
-          raise ValueError(
-            f"feature {name!r}: ids must be integers, got dtype {row.dtype} "
-            f"at sample {i}"
-          )
+  if what != "ids":
+    return Ragged(values, splits)
+  for i, row in enumerate(rows):
+    row = np.asarray(row)
+    if not row.size:
+      continue
+    if row.dtype.kind not in "iu":
+      raise ValueError(
+        f"feature {name!r}: ids must be integers, got dtype {row.dtype} "
+        f"at sample {i}"
+      )
+    if row.dtype == np.uint64 and row.max() > _INT64_MAX:
+      raise ValueError(
+        f"feature {name!r}: id {row.max()} at sample {i} is outside any "
+        "vocabulary (over 2**63 - 1)"
+      )
+  if values.dtype.kind not in "iu":
+    # Float64 from empty rows made with np.array([]), or from mixing int64
+    # and uint64 rows: read the (integer) non-empty rows as int64.
+    values = np.zeros(0, np.int64)
+    nonempty = [np.asarray(r).astype(np.int64) for r in rows if len(r)]
+    if nonempty:
+      values = np.concatenate(nonempty)
   return Ragged(values, splits)
 
 
@@ -271,110 +317,82 @@ def check_weights(name: str, weights: Ragged, ids: Ragged) -> np.ndarray:
   return values
 
 
-def _concat_all(
+def _gather_ids_python(
   features: Sequence[FeaturePlan], leaves: list[Any]
-) -> tuple[np.ndarray, list[np.ndarray]] | None:
-  """Every row of every feature in one array, or None when unusual."""
-  pieces: list[Any] = []
-  splits = []
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """`read_ids` in Python, feature by feature (raises naming the feature)."""
+  ragged = []
   for feature, leaf in zip(features, leaves, strict=True):
-    if isinstance(leaf, list) or (
-      isinstance(leaf, np.ndarray) and leaf.dtype == object and leaf.ndim == 1
-    ):
-      try:
-        lengths = np.fromiter(map(len, leaf), np.int64, count=len(leaf))
-      except TypeError:
-        return None
-      split = splits_from_lengths(lengths)
-      pieces.extend(leaf)
-    else:
-      ids = to_ragged(feature.name, leaf, "ids")
-      split = ids.splits
-      pieces.append(ids.values)
-    splits.append(split)
-  if not pieces:
-    return None
-  try:
-    values = np.concatenate(pieces)
-  except (ValueError, TypeError):
-    return None
-  if (
-    values.ndim != 1
-    or values.dtype.kind not in "iu"
-    or len(values) != sum(int(s[-1]) for s in splits)
-  ):
-    return None
-  return values, splits
+    ids = to_ragged(feature.name, leaf, "ids")
+    check_ids(feature.name, ids, feature.vocabulary_size)
+    ragged.append(ids)
+  parts = [r.values.astype(np.int64, copy=False) for r in ragged]
+  values = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+  num_rows = np.array([r.num_rows for r in ragged], np.int64)
+  row_splits = np.empty(int(num_rows.sum()) + 1, np.int64)
+  row_pos = value_pos = 0
+  for r in ragged:
+    row_splits[row_pos : row_pos + r.num_rows] = r.splits[:-1] + value_pos
+    row_pos += r.num_rows
+    value_pos += len(r.values)
+  row_splits[row_pos] = value_pos
+  return values, row_splits, num_rows
 
 
-def gather_ids(
+def read_ids(
   features: Sequence[FeaturePlan], leaves: list[Any]
-) -> tuple[np.ndarray, list[Ragged]]:
-  """All features' ids in one flat int32/int64 array, range checked.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Every feature's ids end to end, range checked.
+
+  The compiled reader reads the usual forms; a feature it cannot read goes
+  through the Python conversion, which raises naming the feature (or, for
+  an unusual but valid batch, reads every feature).
 
   Args:
     features: The features, in the order of `leaves`.
     leaves: Their id batches.
 
   Returns:
-    The flat ids and, per feature, a `Ragged` whose `values` is its slice of
-    them.
+    `(values, row_splits, num_rows)`: int32 (int64 for vocabularies over
+    `2**31`) ids, int64 `[rows + 1]` row splits over them (every feature's
+    rows end to end) and int64 rows per feature.
 
   Raises:
     ValueError: On a malformed batch or an id out of range.
   """
-  concatenated = _concat_all(features, leaves)
-  if concatenated is None:
-    # Slow path: convert feature by feature (raises naming the feature).
-    ragged = [
-      to_ragged(f.name, x, "ids") for f, x in zip(features, leaves, strict=True)
-    ]
-    for feature, ids in zip(features, ragged, strict=True):
-      check_ids(feature.name, ids, feature.vocabulary_size)
-    parts = [r.values.astype(np.int64, copy=False) for r in ragged]
-    values = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    splits = [r.splits for r in ragged]
-  else:
-    values, splits = concatenated
-  ragged = []
-  start = 0
-  for split in splits:
-    end = start + int(split[-1])
-    ragged.append(Ragged(values[start:end], split))
-    start = end
-  for feature, ids in zip(features, ragged, strict=True):
+  if _READER is not None:
+    vocab = np.array([f.vocabulary_size for f in features], np.int64)
+    wide = bool(vocab.max(initial=0) > _INT32_LIMIT)
+    result = _READER.read_ids(list(leaves), vocab, wide)
+    if not isinstance(result, int):
+      return result
+    # Raises naming feature `result`, unless its batch is unusual but valid.
+    feature = features[result]
+    ids = to_ragged(feature.name, leaves[result], "ids")
     check_ids(feature.name, ids, feature.vocabulary_size)
-  if values.dtype not in (np.int32, np.int64):
-    values = values.astype(np.int64)
-  return values, ragged
+  return _gather_ids_python(features, leaves)
 
 
-def _flatten(
-  values: np.ndarray, ragged: list[Ragged], weights: list[np.ndarray | None]
-) -> FlatBatch:
-  """Lays the features' rows and weights end to end."""
-  weighted = np.array([w is not None for w in weights], np.bool_)
-  flat_weights = np.empty(len(values) if weighted.any() else 0, np.float32)
-  row_splits = np.empty(sum(r.num_rows for r in ragged) + 1, np.int64)
-  first_row = np.zeros(len(ragged), np.int64)
-  value_pos = row_pos = 0
-  for i, r in enumerate(ragged):
-    size = len(r.values)
-    if weights[i] is not None:
-      flat_weights[value_pos : value_pos + size] = weights[i]
-    row_splits[row_pos : row_pos + r.num_rows] = r.splits[:-1] + value_pos
-    first_row[i] = row_pos
-    value_pos += size
-    row_pos += r.num_rows
-  row_splits[row_pos] = value_pos
-  return FlatBatch(
-    values=values,
-    weights=flat_weights,
-    row_splits=row_splits,
-    first_row=first_row,
-    num_rows=np.array([r.num_rows for r in ragged], np.int64),
-    weighted=weighted,
-  )
+def _flatten_weights(
+  features: Sequence[FeaturePlan],
+  weight_leaves: list[Any],
+  values: np.ndarray,
+  row_splits: np.ndarray,
+  first_row: np.ndarray,
+) -> np.ndarray:
+  """The weighted features' weights aligned with `values`, validated."""
+  flat_weights = np.empty(len(values), np.float32)
+  for i, (feature, leaf) in enumerate(
+    zip(features, weight_leaves, strict=True)
+  ):
+    if leaf is None:
+      continue
+    splits = row_splits[first_row[i] : first_row[i + 1] + 1]
+    a, b = int(splits[0]), int(splits[-1])
+    ids = Ragged(values[a:b], splits - a)
+    weights = to_ragged(feature.name, leaf, "weights")
+    flat_weights[a:b] = check_weights(feature.name, weights, ids)
+  return flat_weights
 
 
 def read_batch(
@@ -395,11 +413,20 @@ def read_batch(
   Raises:
     ValueError: On a malformed batch, an id out of range or bad weights.
   """
-  values, ragged = gather_ids(features, id_leaves)
-  weights = [
-    None
-    if leaf is None
-    else check_weights(f.name, to_ragged(f.name, leaf, "weights"), ids)
-    for f, ids, leaf in zip(features, ragged, weight_leaves, strict=True)
-  ]
-  return _flatten(values, ragged, weights)
+  values, row_splits, num_rows = read_ids(features, id_leaves)
+  rows = splits_from_lengths(num_rows)
+  weighted = np.array([w is not None for w in weight_leaves], np.bool_)
+  if weighted.any():
+    weights = _flatten_weights(
+      features, weight_leaves, values, row_splits, rows
+    )
+  else:
+    weights = np.empty(0, np.float32)
+  return FlatBatch(
+    values=values,
+    weights=weights,
+    row_splits=row_splits,
+    first_row=rows[:-1],
+    num_rows=num_rows,
+    weighted=weighted,
+  )

@@ -891,8 +891,8 @@ def test_sqrtn_gain_value():
   assert math.isnan(buffers.lhs_gains["t"][2])
 
 
-def test_error_in_a_later_chunk_raises_cleanly():
-  # Many stacks (several pipeline chunks); the last feature is bad.
+def test_error_in_a_later_stack_raises_cleanly():
+  # Many stacks; the last feature is bad.
   specs, features = {}, {}
   for i in range(12):
     specs[f"f{i:02d}"] = make_feature(
