@@ -33,12 +33,13 @@ goes through the Python conversion.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from pz_sparsecore import _extension
 
 if TYPE_CHECKING:
   from pz_sparsecore.plan import FeaturePlan
@@ -48,6 +49,11 @@ _INT32_LIMIT = 2**31
 _INT64_MAX = 2**63 - 1
 
 
+READER_ENV = "PZSC_RAGGED_LIBRARY"
+"""Environment variable: a path to the reader module to load instead of the
+installed one (e.g. a sanitizer build)."""
+
+
 class ReaderFallbackWarning(RuntimeWarning):
   """The Python conversion reads ids where the compiled reader was expected."""
 
@@ -55,7 +61,7 @@ class ReaderFallbackWarning(RuntimeWarning):
 def _load_reader() -> Any:
   """The compiled reader module, or None (with a warning) if it cannot load."""
   try:
-    return importlib.import_module("pz_sparsecore._pzsc_ragged")
+    return _extension.load("pz_sparsecore._pzsc_ragged", READER_ENV)
   except ImportError as e:
     warnings.warn(
       f"the compiled ragged-id reader did not load ({e}); preprocessing "

@@ -40,7 +40,6 @@ import dataclasses
 import importlib
 import importlib.util
 import os
-import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from types import ModuleType
@@ -50,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pz_sparsecore import optimizers
+from pz_sparsecore import _extension, optimizers
 from pz_sparsecore.kernels import contract
 
 ABI_VERSION = 3
@@ -100,13 +99,7 @@ class Extension:
 
 def _load_file(path: str) -> ModuleType:
   """Loads the extension from ``path`` under :data:`MODULE_NAME`."""
-  spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
-  if spec is None or spec.loader is None:
-    raise ImportError(f"{path} is not a Python extension module")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  sys.modules[MODULE_NAME] = module
-  return module
+  return _extension.load_file(path, MODULE_NAME)
 
 
 def check_extension(module: Any, path: str | None) -> Extension:
