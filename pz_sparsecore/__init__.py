@@ -66,6 +66,7 @@ _EXPORTS = {
   # penzai side
   "SparseCoreEmbed": "nn.embed",
   "SparseCoreTrainer": "nn.training",
+  "variable_jit": "nn.jit",
   "NonFiniteUpdateError": "nn.training",
   "save_checkpoint": "nn.checkpoint",
   "restore_checkpoint": "nn.checkpoint",
@@ -74,6 +75,10 @@ _EXPORTS = {
   "set_logical_tables": "nn.tables",
   "set_logical_slots": "nn.tables",
   "with_feature_specs": "nn.respec",
+  # input pipeline
+  "prefetch": "pipeline",
+  "Prefetcher": "pipeline",
+  "PrefetchError": "pipeline",
 }
 
 _RENAMED = {"build_plan": "build"}

@@ -18,7 +18,7 @@ layers use optax.
 from __future__ import annotations
 
 import dataclasses
-import functools
+import itertools
 from typing import Any
 
 import jax
@@ -31,6 +31,7 @@ from penzai import pz
 from pz_sparsecore import specs
 from pz_sparsecore.models.shakespeare_config import RunConfig
 from pz_sparsecore.nn.embed import SparseCoreEmbed
+from pz_sparsecore.nn.jit import variable_jit
 
 FEATURE = "context"
 TABLE = "words"
@@ -161,9 +162,8 @@ def loss_fn(*, model, state, rng, inputs, labels):
   return loss, state, {"loss": loss}
 
 
-# Donating keeps the (possibly huge) table from being copied on every call:
-# variable_jit returns every variable, and without donation that is a copy.
-@functools.partial(pz.variable_jit, donate_variables=True)
+# Reads the table and writes nothing: no variable is copied or donated.
+@variable_jit
 def _eval_batch(model, inputs, labels):
   logits = model(inputs)
   loss = jnp.sum(cross_entropy(logits, labels))
@@ -259,10 +259,38 @@ def _refresh_limits(
   )
 
 
+def _prefetched(
+  batches: Any, embed: SparseCoreEmbed, first_step: int, count: int
+) -> Any:
+  """The next `count` training batches, preprocessed for `embed` in a
+  background thread while the steps run.
+
+  Returns:
+    A `prefetch` pipeline of `(inputs, stats, labels)`; the first is
+    batch number `first_step`.
+  """
+  from pz_sparsecore.pipeline import prefetch
+
+  def prepare(numbered):
+    step, (context, labels) = numbered
+    inputs, stats = embed.preprocess(
+      {FEATURE: context}, batch_number=step, allow_id_dropping=True
+    )
+    return inputs, stats, jnp.asarray(labels)
+
+  return prefetch(
+    enumerate(itertools.islice(batches, count), first_step), prepare
+  )
+
+
 def _train(
   trainer: Any, data: Any, fdo: Any, config: RunConfig, progress: bool
 ) -> tuple[Any, dict[str, Any]]:
   """`config.steps` training steps with FDO refreshes.
+
+  Batch k + 1 is preprocessed while step k runs, up to each FDO refresh:
+  the refresh changes the layer's limits, so the batches after it are
+  preprocessed for the new layer.
 
   Returns:
     The trained trainer and the `RunResult` fields it measured (`losses`,
@@ -275,25 +303,28 @@ def _train(
   batches = data.batches(config.batch_size, seed=config.seed)
   losses, times, fdo_updates, dropped = [], [], [], 0
   stats = None
-  bar = tqdm(range(config.steps), disable=not progress, unit="step")
-  for step in bar:
-    start = time.perf_counter()
-    context, labels = next(batches)
-    inputs, stats = trainer.model.embed.preprocess(
-      {FEATURE: context}, batch_number=step, allow_id_dropping=True
-    )
-    fdo.record(stats)
-    dropped += sum(int(v) for v in stats.id_drop_counters.values())
-    aux = trainer.step(inputs=inputs, labels=jnp.asarray(labels))
-    losses.append(float(aux["loss"]))
-    times.append(time.perf_counter() - start)
-    bar.set_postfix(
-      loss=f"{losses[-1]:.3f}",
-      examples_per_s=f"{config.batch_size / times[-1]:,.0f}",
-    )
-    if config.fdo_every and (step + 1) % config.fdo_every == 0:
+  segment = config.fdo_every or max(config.steps, 1)
+  bar = tqdm(total=config.steps, disable=not progress, unit="step")
+  for first in range(0, config.steps, segment):
+    count = min(segment, config.steps - first)
+    with _prefetched(batches, trainer.model.embed, first, count) as pipeline:
+      start = time.perf_counter()
+      for inputs, stats, labels in pipeline:
+        fdo.record(stats)
+        dropped += sum(int(v) for v in stats.id_drop_counters.values())
+        aux = trainer.step(inputs=inputs, labels=labels)
+        losses.append(float(aux["loss"]))
+        # From the previous step's end: waiting for the batch counts.
+        times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        bar.update()
+        bar.set_postfix(
+          loss=f"{losses[-1]:.3f}",
+          examples_per_s=f"{config.batch_size / times[-1]:,.0f}",
+        )
+    if config.fdo_every and (first + count) % config.fdo_every == 0:
       trainer, limits = _refresh_limits(trainer, fdo, config)
-      fdo_updates.append((step + 1, *limits))
+      fdo_updates.append((first + count, *limits))
   bar.close()
   return trainer, {
     "losses": losses,

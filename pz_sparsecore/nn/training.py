@@ -3,7 +3,9 @@
 `SparseCoreTrainer` mirrors Penzai's `basic_training.StatefulTrainer`: same
 `build(root_rng, model, optimizer_def, loss_fn)` and `step(**kwargs) -> aux`,
 same loss-function protocol `loss_fn(*, model, state, rng, **kwargs) ->
-(loss, new_state, aux)`. What differs is how the embedding tables learn:
+(loss, new_state, aux)`; `fit(batches, preprocess)` loops `step` over
+batches preprocessed ahead in a background thread (`pzsc.prefetch`). What
+differs is how the embedding tables learn:
 
 * Inside the differentiated function every `SparseCoreEmbed` of the model
   gets an `ActivationProbe` (see `probe.py`): zero probes added to its
@@ -24,9 +26,11 @@ every layer that was called) and, with `check_finite`,
 slots are not finite keeps every variable as it was (the touched rows are
 written back, O(batch)).
 
-The same step can be written by hand with `pz.variable_jit`::
+The same step can be written by hand with `pzsc.variable_jit` (which
+returns and donates only the variables the step writes) or Penzai's
+`pz.variable_jit` (which donates and returns them all; same result)::
 
-  @functools.partial(pz.variable_jit, donate_variables=True)
+  @functools.partial(pzsc.variable_jit, donate_variables=True)
   def train_step(embed, head, inputs, labels, step):
     acts = embed(inputs)                       # dict of NamedArrays
     head_model, head_params = pz.unbind_params(head, freeze=True)
@@ -48,7 +52,8 @@ the `PreprocessedInput` from its `preprocess` (passed in through `kwargs`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -65,6 +70,7 @@ from pz_sparsecore.nn.embed import (
 )
 from pz_sparsecore.nn.probe import ActivationProbe, zero_probes
 from pz_sparsecore.nn.tables import slot_arrays, table_arrays
+from pz_sparsecore.pipeline import prefetch
 from pz_sparsecore.preprocess import PreprocessedInput
 
 
@@ -603,3 +609,56 @@ class SparseCoreTrainer(pz.Struct):
           f"{', '.join(sorted(bad))}; the update was skipped"
         )
     return aux
+
+  def fit(
+    self,
+    batches: Iterable[Any],
+    preprocess: Callable[[Any], Mapping[str, Any]] | None = None,
+    *,
+    steps: int | None = None,
+    depth: int = 2,
+    callback: Callable[[int, Any], None] | None = None,
+  ) -> list[Any]:
+    """Runs `step` on each batch, preprocessing the next ones meanwhile.
+
+    `preprocess` runs in a background thread (`pzsc.prefetch`), up to
+    `depth` batches ahead, so the host work of batch k + 1 overlaps step k.
+    Like `step`, this updates the model's variables in place.
+
+    Args:
+      batches: Raw batches (any iterable; may be infinite with `steps`).
+      preprocess: Maps a raw batch to `step`'s keyword arguments, e.g.
+        `lambda b: {"inputs": embed.preprocess(b["ids"])[0], "labels":
+        jnp.asarray(b["labels"])}`; None when `batches` holds them already.
+      steps: Stop after this many steps (None: when `batches` ends). No
+        batch past the last step is pulled from `batches`.
+      depth: Preprocessed batches that may wait for the step.
+      callback: Called as `callback(i, aux)` after step `i` (from 0).
+
+    Returns:
+      The loss function's aux output of every step, in order.
+
+    Raises:
+      PrefetchError: If a batch fails in `batches` or `preprocess` (naming
+        the batch; the steps before it were taken). It is also an instance
+        of the original exception's type, e.g. `ValueError`.
+      ValueError: If `steps` is negative or `preprocess` returns something
+        other than a mapping of keyword arguments.
+      NonFiniteUpdateError: As `step`.
+    """
+    if steps is not None and steps < 0:
+      raise ValueError(f"steps must be None or >= 0, got {steps}")
+    if steps is not None:
+      batches = itertools.islice(batches, steps)
+    auxes = []
+    with prefetch(batches, preprocess, depth=depth) as pipeline:
+      for i, kwargs in enumerate(pipeline):
+        if not isinstance(kwargs, Mapping):
+          raise ValueError(
+            f"batch {i}: preprocess must return a mapping of step keyword "
+            f"arguments, got {type(kwargs).__name__}"
+          )
+        auxes.append(self.step(**kwargs))
+        if callback is not None:
+          callback(i, auxes[-1])
+    return auxes
