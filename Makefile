@@ -23,9 +23,10 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 
-# The kernel tests against the kernels built with AddressSanitizer and
-# UndefinedBehaviorSanitizer: a separate CMake build (not pip's), loaded
-# through PZSC_FFI_LIBRARY, with the sanitizer runtimes preloaded into the
+# The kernel and ragged-reader tests against the kernels and the reader
+# built with AddressSanitizer and UndefinedBehaviorSanitizer: a separate
+# CMake build (not pip's), loaded through PZSC_FFI_LIBRARY and
+# PZSC_RAGGED_LIBRARY, with the sanitizer runtimes preloaded into the
 # uninstrumented Python. Any finding fails the target and is printed (the
 # reports go to $(ASAN_BUILD)/report.*).
 ASAN_BUILD := build/asan
@@ -47,8 +48,10 @@ test-asan: $(STAMP)
 	ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:log_path=$(SANITIZER_LOG) \
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$(SANITIZER_LOG) \
 	PZSC_FFI_LIBRARY="$$(ls $(abspath $(ASAN_BUILD))/_pzsc_ffi*.so)" \
+	PZSC_RAGGED_LIBRARY="$$(ls $(abspath $(ASAN_BUILD))/_pzsc_ragged*.so)" \
 	$(PY) -m pytest -q -n 2 -p no:cacheprovider \
 		tests/test_kernel_fuzz.py tests/test_kernels.py \
+		tests/test_ragged_input.py \
 		|| { cat $(SANITIZER_LOG).* 2>/dev/null; exit 1; }
 	@if ls $(SANITIZER_LOG).* >/dev/null 2>&1; then \
 		cat $(SANITIZER_LOG).*; exit 1; fi
@@ -59,10 +62,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 bench: $(STAMP)
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 fbgemm-gpu-cpu==1.8.0
 	$(PY) benchmarks/preprocess.py
 	$(PY) benchmarks/kernels.py
 	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/jit_paths.py
 
 # Needs about 12 GiB of free memory.
