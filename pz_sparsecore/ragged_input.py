@@ -73,7 +73,8 @@ def _load_reader() -> Any:
     return None
 
 
-_READER = _load_reader()
+READER = _load_reader()
+"""The compiled reader module, or None (ids are then converted in Python)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,10 +367,10 @@ def read_ids(
   Raises:
     ValueError: On a malformed batch or an id out of range.
   """
-  if _READER is not None:
+  if READER is not None:
     vocab = np.array([f.vocabulary_size for f in features], np.int64)
     wide = bool(vocab.max(initial=0) > _INT32_LIMIT)
-    result = _READER.read_ids(list(leaves), vocab, wide)
+    result = READER.read_ids(list(leaves), vocab, wide)
     if not isinstance(result, int):
       return result
     # Raises naming feature `result`, unless its batch is unusual but valid.

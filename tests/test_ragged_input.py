@@ -81,7 +81,7 @@ def _expected(features, weights=None):
 
 
 def test_compiled_reader_is_built():
-  assert ragged_input._READER is not None
+  assert ragged_input.READER is not None
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -171,7 +171,7 @@ def test_reader_gives_the_concatenated_ids(wide):
     for r, fmt in zip(rows, ["object", "list", "splits"], strict=True)
   ]
   vocab = np.array(VOCABS, np.int64)
-  values, row_splits, num_rows = ragged_input._READER.read_ids(
+  values, row_splits, num_rows = ragged_input.READER.read_ids(
     leaves, vocab, wide
   )
   all_rows = [r for feature_rows in rows for r in feature_rows]
@@ -269,7 +269,7 @@ def test_python_fallback_gives_the_same_results(monkeypatch):
   rows = {f"f{i}": _random_rows(rng, v) for i, v in enumerate(VOCABS)}
   features = {k: _as_format(r, "object", np.int32) for k, r in rows.items()}
   compiled = _call(features)
-  monkeypatch.setattr(ragged_input, "_READER", None)
+  monkeypatch.setattr(ragged_input, "READER", None)
   assert_same(_call(features), compiled)
   features["f0"] = _rows_with(np.array([77]))
   with pytest.raises(ValueError, match=r"feature 'f0': id 77 outside"):
@@ -347,10 +347,10 @@ def _outcome(features, leaves):
 def test_any_leaf_reads_as_in_python_or_raises(leaves, vocab):
   features = [_Feature(f"f{i}", vocab) for i in range(len(leaves))]
   compiled = _outcome(features, leaves)
-  reader = ragged_input._READER
+  reader = ragged_input.READER
   try:
-    ragged_input._READER = None
+    ragged_input.READER = None
     python = _outcome(features, leaves)
   finally:
-    ragged_input._READER = reader
+    ragged_input.READER = reader
   assert compiled == python

@@ -5,6 +5,7 @@ Example (a CPU-only build)::
   >>> print(pz_sparsecore.backend_info())
   pz_sparsecore kernels: .../pz_sparsecore/_pzsc_ffi.cpython-311-...so
     ABI version 3 (expected 3), CUDA handlers: no
+    ragged-id reader: .../pz_sparsecore/_pzsc_ragged.cpython-311-...so
     target                  cpu        cuda
     forward                 ffi        reference
     grad sgd                ffi        reference
@@ -16,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from pz_sparsecore import optimizers
+from pz_sparsecore import optimizers, ragged_input
 from pz_sparsecore.kernels import dispatch, ffi
 
 
@@ -30,6 +31,8 @@ class BackendInfo:
     abi_version: The ABI version the loaded file reports, if it loaded.
     expected_abi_version: The ABI version this package expects.
     cuda_build: Whether the extension has CUDA handlers.
+    reader_path: The compiled ragged-id reader of host preprocessing, or
+      None if it did not load (ids are then converted in Python).
     implementations: Target label (``"forward"``, ``"grad adagrad"``, ...)
       → platform → what ``implementation=None`` runs there: ``"ffi"``,
       ``"reference"`` or ``"error"`` (ABI mismatch: calls raise).
@@ -40,6 +43,7 @@ class BackendInfo:
   abi_version: int | None
   expected_abi_version: int
   cuda_build: bool
+  reader_path: str | None
   implementations: Mapping[str, Mapping[str, str]]
 
   def __str__(self) -> str:
@@ -51,6 +55,10 @@ class BackendInfo:
       f"  ABI version {self.abi_version} (expected "
       f"{self.expected_abi_version}), CUDA handlers: "
       f"{'yes' if self.cuda_build else 'no'}"
+    )
+    lines.append(
+      "  ragged-id reader: "
+      + (self.reader_path or "not loaded (ids converted in Python)")
     )
     lines.append(
       f"  {'target':<24}" + "".join(f"{p:<11}" for p in dispatch.PLATFORMS)
@@ -85,6 +93,7 @@ def backend_info() -> BackendInfo:
     abi_version=ext.abi_version,
     expected_abi_version=ffi.ABI_VERSION,
     cuda_build=bool(ext.module is not None and ext.module.has_cuda()),
+    reader_path=getattr(ragged_input.READER, "__file__", None),
     implementations={
       label: {
         p: dispatch.default_implementation(target, p)
