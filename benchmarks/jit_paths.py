@@ -21,9 +21,14 @@ slots, head and optimizer state donated):
   ``pzsc.variable_jit(..., donate_variables=True)``; the same step under
   ``pz.variable_jit(..., donate_variables=True)``.
 
-Goal: every documented path within 1.2x of the raw path, and flat in the
-vocabulary (the last column: time at this vocabulary / time at the
-smallest).
+Goal: every documented path within 1.2x of the raw path at every
+vocabulary, and flat in the vocabulary: its time at the largest vocabulary
+over its time at the smallest (the ``flat`` column) at most 1.2x the raw
+path's. The raw path itself reads the same number of rows at every
+vocabulary, from a table in cache at 2**16 and from memory at 2**24; an
+O(vocabulary) path grows with the vocabulary (the not-donating row, timed
+after the others with at most 5 rounds: each of its calls allocates and
+frees a copy of every table and slot).
 """
 
 from __future__ import annotations
@@ -149,7 +154,7 @@ def forward_paths(model: Model) -> dict:
     ),
     "pzsc.variable_jit": lambda x, t: ours(model, x),
     "pz.variable_jit, donating": lambda x, t: donating(model, x),
-    "pz.variable_jit, not donating": lambda x, t: copying(model, x),
+    COPYING: lambda x, t: copying(model, x),
   }
 
 
@@ -264,8 +269,14 @@ def time_paths(paths: dict, batches: list, rounds: int) -> dict[str, float]:
 
 def child(vocab: int, rounds: int) -> None:
   model, batches = build(vocab)
+  forward = forward_paths(model)
+  # Timed on its own, after the others: each of its calls allocates and
+  # frees a copy of every table and slot, which would slow whichever path
+  # runs next in a round.
+  copying = {COPYING: forward.pop(COPYING)}
   result = {
-    "forward": time_paths(forward_paths(model), batches, rounds),
+    "forward": time_paths(forward, batches, rounds)
+    | time_paths(copying, batches, min(rounds, 5)),
     "train step": time_paths(step_paths(model), batches, rounds),
   }
   print("RESULT " + json.dumps(result))
@@ -284,6 +295,7 @@ def measure(vocab: int, rounds: int) -> dict:
   raise RuntimeError(f"vocab {vocab} failed:\n{out.stderr[-4000:]}")
 
 
+COPYING = "pz.variable_jit, not donating"
 DOCUMENTED = {
   "pzsc.variable_jit",
   "pz.variable_jit, donating",
@@ -311,15 +323,16 @@ def report(results: dict[int, dict], rounds: int) -> str:
   ]
   met = True
   for kind in ("forward", "train step"):
+    raw = [results[v][kind]["raw"] for v in vocabs]
     for name in results[small][kind]:
       ms = [results[v][kind][name] for v in vocabs]
-      raw = [results[v][kind]["raw"] for v in vocabs]
       ratios = [t / r for t, r in zip(ms, raw, strict=True)]
       flat = ms[-1] / ms[0]
       if name == "raw":
         verdict = "reference"
       elif name in DOCUMENTED:
-        ok = max(ratios) <= GOAL and flat <= GOAL
+        # Flat: growing no faster than the raw path's own time.
+        ok = max(ratios) <= GOAL and flat <= GOAL * raw[-1] / raw[0]
         met &= ok
         verdict = "met" if ok else "NOT met"
       else:
@@ -331,9 +344,15 @@ def report(results: dict[int, dict], rounds: int) -> str:
         + f"{flat:7.2f}  {verdict}"
       )
   lines.append(
-    f"goal: each documented path <= {GOAL}x raw at every vocabulary and "
-    f"<= {GOAL}x its smallest-vocabulary time (flat): "
-    + ("met" if met else "NOT met")
+    f"goal: each documented path <= {GOAL}x raw at every vocabulary, and "
+    f"its growth from 2**{small.bit_length() - 1} (flat) <= {GOAL}x the "
+    "raw path's: " + ("met" if met else "NOT met")
+  )
+  lines.append(
+    "the raw path's own growth is the kernels': the same number of rows "
+    "read from a table in cache at small vocabularies and from memory at "
+    "large ones; an O(vocabulary) path grows with the vocabulary itself "
+    "(the not-donating row)"
   )
   return "\n".join(lines)
 
