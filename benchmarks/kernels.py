@@ -1,37 +1,53 @@
 """Benchmark of the CPU kernels against torch, FBGEMM and plain JAX.
 
-Run: ``.venv/bin/python benchmarks/kernels.py`` (prints two tables);
-``--repeats N`` sets the timed repeats (default 10, or ``PZSC_BENCH_REPEATS``)
-and ``--skip-peers`` times only ours.
+Run: ``.venv/bin/python benchmarks/kernels.py`` (prints four tables);
+``--repeats N`` sets the timed rounds (default 10, or
+``PZSC_BENCH_REPEATS``), ``--skip-peers`` times only ours and
+``--workloads`` picks workloads by index (``0,2``).
 
 Workloads: a ``[vocab, 64]`` f32 table, a batch of 4096 samples with 32 ids
 each (sum combiner), ids uniform or Zipf(1.05); vocab 1M, and 8M for the
-uniform case. Each line times one step, median of several, after warm-up:
+uniform case.
 
-* ``fwd``: the lookup only.
-* ``fwd+bwd sgd`` / ``fwd+bwd adagrad``: lookup, then a fixed activation
-  gradient applied to the table (in place where the library allows it):
-  ours = forward + fused backward (donated table); torch = EmbeddingBag with
-  sparse gradients + ``optim.SGD`` / ``optim.Adagrad``; FBGEMM = the
-  table-batched embedding with fused exact SGD / exact row-wise Adagrad;
-  plain JAX = ``jnp.take`` + ``segment_sum`` with the dense ``jax.grad``
-  (``.at[].add``) and a dense optimizer step over the whole table (donated).
+Fairness: every peer is timed interleaved with ours, in the same run, in
+alternating blocks of calls (the first call of each block is not counted,
+so that one library's idle threads do not tax the other's first call);
+each figure is the best of its calls (the machine may be shared: other
+processes only ever add time), and ``x ours`` = peer time / our time from
+the same pair. Each pair's results are checked equal before timing.
 
-Our buffers (1 device, 1 segment, 1 partition, entries sorted by (row,
-sample), duplicates merged) are built once per workload outside the timing,
-as the host preprocessor would. GB/s counts the embedding bytes a step must
-move: the looked-up rows, plus (backward) each touched row and its slots read
-and written once. Peers' ratio = their time / our time.
-
-The second table puts the fused backward's input pass (row pointer check,
-sortedness scan of the ids; target ``pzsc_check_coo``, the same code the
-backward runs before its first write) beside the backward alone (``bwd``,
-no forward), on the same buffers in the same run: once timed alone (its
-buffers warm in cache) and once right after each backward (its buffers
-evicted by the backward's table traffic). Each is its own XLA call, so both
-figures include one call's dispatch (about 8 us here): upper bounds of what
-the pass adds to the fused backward, where it reads the ids that the row
-sums read next.
+1. ``fwd``: the lookup only. Ours reads buffers sorted and deduplicated by
+   the host preprocessor (built outside the timing here, as an input
+   pipeline would hand them over; table 3 times them); torch
+   ``EmbeddingBag`` and FBGEMM's table-batched embedding take the raw ids.
+   Check: our output equals torch's on every row (``np.allclose``, rtol
+   1e-5, atol 1e-5).
+2. ``step``: lookup, then a fixed activation gradient applied to the
+   table in place: ours = forward + fused backward (donated table and
+   slots); torch = ``EmbeddingBag`` with sparse gradients + ``optim.SGD``
+   / ``optim.Adagrad``; FBGEMM = the table-batched embedding with fused
+   exact SGD, exact (element-wise) Adagrad and exact row-wise Adagrad;
+   plain JAX = ``jnp.take`` + ``segment_sum`` with the dense ``jax.grad``
+   and a dense optimizer step over the whole table (donated). Check after
+   one step from the same table (and accumulator 0.1): the touched rows
+   and accumulators equal ours where the rule is ours (rtol 1e-4: hot rows
+   sum thousands of gradient terms, each library in its own order;
+   FBGEMM's Adagrad adds eps 1e-8 to the root, torch's 1e-10: within the
+   tolerance; on Zipf ids the accumulators of the few hottest rows, whose
+   gradients sum ~4000 terms with heavy cancellation, may differ by a
+   little more); row-wise Adagrad (one accumulator per row, mean of the
+   squared row gradient) is checked against a numpy reference of its own
+   rule instead.
+3. ``raw ids``: from the ``[4096, 32]`` int64 array a user holds: ours =
+   the public ``preprocess_sparse_dense_matmul_input`` (host, numba) +
+   forward (+ fused backward), the preprocessing inside the timing; torch
+   = ``EmbeddingBag`` (+ optimizer) on the same array. Check as in 1.
+4. The fused backward's input pass (row pointer check, sortedness scan;
+   target ``pzsc_check_coo``, the code the backward runs before its first
+   write) beside the backward alone, on the same buffers: timed alone
+   (buffers warm) and right after each backward (evicted). Each is its
+   own XLA call, so both include one call's dispatch: upper bounds of what
+   the pass adds to the fused backward.
 """
 
 from __future__ import annotations
@@ -48,6 +64,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pz_sparsecore as pzsc
 from pz_sparsecore import buffer_format, kernels
 from pz_sparsecore.kernels import contract, ffi
 
@@ -55,7 +72,19 @@ BATCH = 4096
 IDS_PER_SAMPLE = 32
 DIM = 64
 LEARNING_RATE = 0.01
+INITIAL_ACCUMULATOR = 0.1
+FBGEMM_EPS = 1e-8
 REPEATS = int(os.environ.get("PZSC_BENCH_REPEATS", "10"))
+# Calls per block of the interleaved timing (the first is not counted).
+BLOCK = 4
+# Check tolerances: the forward's; a step's (its row gradients sum up to
+# thousands of terms per hot row, in a library-specific order).
+RTOL, ATOL = 1e-5, 1e-5
+STEP_RTOL = 1e-4
+
+# A benchmark implementation: (run one call, blocking; read its result:
+# the output of a forward, [table, slots...] at the touched rows of a step).
+Impl = tuple[Callable[[], object], Callable[[], np.ndarray]]
 
 
 def make_ids(vocab: int, dist: str, rng: np.random.Generator) -> np.ndarray:
@@ -88,24 +117,24 @@ def build_buffers(ids: np.ndarray) -> tuple[np.ndarray, ...]:
   return row_pointers, emb, sid, gains
 
 
-def timeit(fn: Callable[[], object], repeats: int | None = None) -> float:
-  """Best wall time of ``fn()`` in ms, after two warm-up calls.
+# --- timing -----------------------------------------------------------------
 
-  The best (not the median) of the repeats, because the machine may be
-  shared: other processes only ever add time.
+
+def interleaved(*fns: Callable[[], object]) -> list[float]:
+  """Best wall time (ms) of each ``fn()``, timed in alternating blocks.
+
+  Each round runs ``BLOCK`` calls of each function in turn; the first call
+  of a block is a warm-up. Two warm-up rounds come first.
   """
-  repeats = repeats or REPEATS
-  for _ in range(2):
-    fn()
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t)
-  return 1e3 * min(times)
-
-
-# --- ours -------------------------------------------------------------------
+  times = [[] for _ in fns]
+  for round_ in range(REPEATS + 2):
+    for fn, out in zip(fns, times, strict=True):
+      for k in range(BLOCK):
+        t = time.perf_counter()
+        fn()
+        if round_ >= 2 and k > 0:
+          out.append(time.perf_counter() - t)
+  return [1e3 * min(t) for t in times]
 
 
 def timeit_pair(
@@ -113,7 +142,7 @@ def timeit_pair(
 ) -> tuple[float, float]:
   """Best wall times (ms) of ``first()`` and of ``second()`` run right after.
 
-  Like :func:`timeit`, after two warm-up rounds.
+  After two warm-up rounds.
   """
   times = ([], [])
   for i in range(REPEATS + 2):
@@ -123,6 +152,144 @@ def timeit_pair(
       if i >= 2:
         out.append(time.perf_counter() - t)
   return 1e3 * min(times[0]), 1e3 * min(times[1])
+
+
+def rows_equal(got: np.ndarray, want: np.ndarray, rtol: float = RTOL) -> str:
+  """``"k/n rows equal"``: rows of ``got`` allclose to ``want``'s."""
+  got, want = got.reshape(-1, DIM), want.reshape(-1, DIM)
+  ok = np.isclose(got, want, rtol=rtol, atol=ATOL).all(axis=-1)
+  return f"{int(ok.sum())}/{ok.size} rows equal"
+
+
+# --- ours -------------------------------------------------------------------
+
+LAYOUT_KEYS = ("num_segments", "samples_per_segment", "num_partitions")
+
+
+def _layout(vocab: int) -> dict[str, int]:
+  return dict(
+    num_segments=1,
+    samples_per_segment=BATCH,
+    num_partitions=1,
+    rows_per_partition=vocab,
+  )
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnums=(2, 3))
+def _our_step(table, slots, optimizer, vocab, act_grad, bufs):
+  """Forward, then the fused backward of ``act_grad`` (table donated)."""
+  layout = _layout(vocab)
+  hp = jnp.asarray([LEARNING_RATE], jnp.float32)
+  out = kernels.sparse_dense_matmul(*bufs, table, **layout)
+  return kernels.sparse_dense_matmul_grad(
+    act_grad + 0 * out[:1],
+    *bufs,
+    table,
+    slots,
+    optimizer=optimizer,
+    hyperparameters=hp,
+    **layout,
+  )
+
+
+def _our_slots(optimizer: str, table: jax.Array) -> tuple[jax.Array, ...]:
+  if optimizer == "sgd":
+    return ()
+  return (jnp.full_like(table, INITIAL_ACCUMULATOR),)
+
+
+def ours_forward(table: jax.Array, bufs) -> Impl:
+  fwd = jax.jit(
+    functools.partial(kernels.sparse_dense_matmul, **_layout(table.shape[0]))
+  )
+  return (
+    lambda: fwd(*bufs, table).block_until_ready(),
+    lambda: np.asarray(fwd(*bufs, table)),
+  )
+
+
+def _jax_rows(arrays, rows: np.ndarray) -> np.ndarray:
+  """``[len(arrays), len(rows), DIM]``: the rows of each array."""
+  return np.stack([np.asarray(jnp.take(a, rows, axis=0)) for a in arrays])
+
+
+def ours_step(table_np, bufs, act_grad, optimizer: str, rows) -> Impl:
+  """Our training step (forward + fused backward)."""
+  table = jnp.asarray(table_np)
+  state = [table, _our_slots(optimizer, table)]
+  vocab = table_np.shape[0]
+
+  def run():
+    state[0], state[1] = _our_step(
+      state[0], state[1], optimizer, vocab, act_grad, bufs
+    )
+    state[0].block_until_ready()
+
+  return run, lambda: _jax_rows((state[0], *state[1]), rows)
+
+
+def _preprocess_fn(vocab: int) -> Callable[[np.ndarray], tuple]:
+  """Raw ``[BATCH, k]`` ids -> our kernels' buffers, via the public API."""
+  table_spec = pzsc.TableSpec(
+    name="table",
+    vocabulary_size=vocab,
+    embedding_dim=DIM,
+    initializer=jax.nn.initializers.zeros,
+    optimizer=pzsc.SGDOptimizerSpec(learning_rate=LEARNING_RATE),
+    combiner="sum",
+    max_ids_per_partition=BATCH * IDS_PER_SAMPLE,
+    max_unique_ids_per_partition=BATCH * IDS_PER_SAMPLE,
+  )
+  feature = pzsc.FeatureSpec(
+    name="ids",
+    table_spec=table_spec,
+    input_shape=(BATCH, IDS_PER_SAMPLE),
+    output_shape=(BATCH, DIM),
+  )
+  specs = pzsc.prepare_feature_specs_for_training(
+    {"ids": feature}, global_device_count=1, num_sc_per_device=1
+  )
+
+  def preprocess(ids: np.ndarray) -> tuple:
+    inputs, _ = pzsc.preprocess_sparse_dense_matmul_input(
+      {"ids": ids}, None, specs, 1, 1, num_sc_per_device=1
+    )
+    return tuple(
+      getattr(inputs, f)["table"]
+      for f in (
+        "lhs_row_pointers",
+        "lhs_embedding_ids",
+        "lhs_sample_ids",
+        "lhs_gains",
+      )
+    )
+
+  return preprocess
+
+
+def ours_raw(table_np, ids, act_grad, optimizer: str | None, rows) -> Impl:
+  """Preprocessing + forward (+ fused backward) from raw ids."""
+  vocab = table_np.shape[0]
+  preprocess = _preprocess_fn(vocab)
+  if optimizer is None:
+    table = jnp.asarray(table_np)
+    fwd = jax.jit(
+      functools.partial(kernels.sparse_dense_matmul, **_layout(vocab))
+    )
+    return (
+      lambda: fwd(*preprocess(ids), table).block_until_ready(),
+      lambda: np.asarray(fwd(*preprocess(ids), table)),
+    )
+  table = jnp.asarray(table_np)
+  state = [table, _our_slots(optimizer, table)]
+
+  def run():
+    state[0], state[1] = _our_step(
+      state[0], state[1], optimizer, vocab, act_grad, preprocess(ids)
+    )
+    state[0].block_until_ready()
+
+  return run, lambda: _jax_rows((state[0], *state[1]), rows)
 
 
 def input_pass(bufs, table, layout) -> Callable[[jax.Array], object]:
@@ -138,61 +305,35 @@ def input_pass(bufs, table, layout) -> Callable[[jax.Array], object]:
   return lambda table: check(*bufs, table).block_until_ready()
 
 
-def bench_ours(table_np, ids, act_grad_np):
-  bufs = tuple(jnp.asarray(b) for b in build_buffers(ids))
-  layout = dict(
-    num_segments=1,
-    samples_per_segment=BATCH,
-    num_partitions=1,
-    rows_per_partition=table_np.shape[0],
-  )
-  fwd = jax.jit(functools.partial(kernels.sparse_dense_matmul, **layout))
-  table = jnp.asarray(table_np)
-  res = {"fwd": timeit(lambda: fwd(*bufs, table).block_until_ready())}
-  act_grad = jnp.asarray(act_grad_np)
+def bench_input_pass(table_np, bufs, act_grad) -> dict[str, float]:
+  """Table 4: the input pass alone, the backward alone, the pass after it."""
+  vocab = table_np.shape[0]
+  layout = _layout(vocab)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnums=(2,))
-  def step(table, slots, optimizer, hp, act_grad, bufs):
-    out = kernels.sparse_dense_matmul(*bufs, table, **layout)
-    new_table, new_slots = kernels.sparse_dense_matmul_grad(
-      act_grad + 0 * out[:1],
-      *bufs,
-      table,
-      slots,
-      optimizer=optimizer,
-      hyperparameters=hp,
-      **layout,
-    )
-    return new_table, new_slots
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnums=(2,))
-  def backward(table, slots, optimizer, hp, act_grad, bufs):
+  def backward(table, slots, optimizer, act_grad, bufs):
     return kernels.sparse_dense_matmul_grad(
       act_grad,
       *bufs,
       table,
       slots,
       optimizer=optimizer,
-      hyperparameters=hp,
+      hyperparameters=jnp.asarray([LEARNING_RATE], jnp.float32),
       **layout,
     )
 
-  hp = jnp.asarray([LEARNING_RATE], jnp.float32)
+  table = jnp.asarray(table_np)
   check = input_pass(bufs, table, layout)
-  res["input pass"] = timeit(lambda: check(table))
+  res = {"input pass": min(interleaved(lambda: check(table)))}
   for opt in ("sgd", "adagrad"):
-    state = [table, () if opt == "sgd" else (jnp.full_like(table, 0.1),)]
-    runs = {}
-    for key, fn in ((opt, step), (f"bwd {opt}", backward)):
+    state = [table, _our_slots(opt, table)]
 
-      def run(state=state, opt=opt, fn=fn):
-        state[0], state[1] = fn(state[0], state[1], opt, hp, act_grad, bufs)
-        state[0].block_until_ready()
+    def run(state=state, opt=opt):
+      state[0], state[1] = backward(state[0], state[1], opt, act_grad, bufs)
+      state[0].block_until_ready()
 
-      runs[key] = run
-    res[opt] = timeit(runs[opt])
-    res[f"bwd {opt}"], res[f"input pass after {opt}"] = timeit_pair(
-      runs[f"bwd {opt}"], lambda state=state: check(state[0])
+    res[f"bwd {opt}"], res[f"after {opt}"] = timeit_pair(
+      run, lambda state=state: check(state[0])
     )
     table = state[0]
     del state
@@ -202,48 +343,54 @@ def bench_ours(table_np, ids, act_grad_np):
 # --- plain JAX --------------------------------------------------------------
 
 
-def bench_jax(table_np, ids, act_grad_np):
+def _jax_lookup(table, flat, seg):
+  rows = jnp.take(table, flat, axis=0)
+  return jax.ops.segment_sum(rows, seg, num_segments=BATCH)
+
+
+def _jax_loss(table, act_grad, flat, seg):
+  return jnp.vdot(_jax_lookup(table, flat, seg), act_grad)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _jax_sgd(table, slots, *args):
+  return table - LEARNING_RATE * jax.grad(_jax_loss)(table, *args), slots
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _jax_adagrad(table, slots, *args):
+  g = jax.grad(_jax_loss)(table, *args)
+  acc = slots[0] + g * g
+  return table - LEARNING_RATE * g / jnp.sqrt(acc), (acc,)
+
+
+def _jax_args(ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
   flat = jnp.asarray(ids.reshape(-1).astype(np.int32))
   seg = jnp.asarray(np.repeat(np.arange(BATCH, dtype=np.int32), ids.shape[1]))
+  return flat, seg
 
-  def lookup(table, flat, seg):
-    rows = jnp.take(table, flat, axis=0)
-    return jax.ops.segment_sum(rows, seg, num_segments=BATCH)
 
-  fwd = jax.jit(lookup)
+def jax_forward(table_np, ids) -> Impl:
+  fwd = jax.jit(_jax_lookup)
   table = jnp.asarray(table_np)
-  res = {"fwd": timeit(lambda: fwd(table, flat, seg).block_until_ready())}
-  act_grad = jnp.asarray(act_grad_np)
+  args = _jax_args(ids)
+  return (
+    lambda: fwd(table, *args).block_until_ready(),
+    lambda: np.asarray(fwd(table, *args)),
+  )
 
-  def loss(table, act_grad, flat, seg):
-    return jnp.vdot(lookup(table, flat, seg), act_grad)
 
-  @functools.partial(jax.jit, donate_argnums=(0,))
-  def sgd(table, *args):
-    return table - LEARNING_RATE * jax.grad(loss)(table, *args)
+def jax_step(table_np, ids, act_grad, optimizer: str, rows) -> Impl:
+  table = jnp.asarray(table_np)
+  state = [table, _our_slots(optimizer, table)]
+  step = _jax_sgd if optimizer == "sgd" else _jax_adagrad
+  args = (act_grad, *_jax_args(ids))
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def adagrad(table, acc, *args):
-    g = jax.grad(loss)(table, *args)
-    acc = acc + g * g
-    return table - LEARNING_RATE * g / jnp.sqrt(acc), acc
-
-  state = [table]
-  args = (act_grad, flat, seg)
-
-  def run_sgd():
-    state[0] = sgd(state[0], *args)
+  def run():
+    state[0], state[1] = step(state[0], state[1], *args)
     state[0].block_until_ready()
 
-  res["sgd"] = timeit(run_sgd, max(3, REPEATS // 3))
-  state.append(jnp.full_like(state[0], 0.1))
-
-  def run_adagrad():
-    state[0], state[1] = adagrad(state[0], state[1], *args)
-    state[0].block_until_ready()
-
-  res["adagrad"] = timeit(run_adagrad, max(3, REPEATS // 3))
-  return res
+  return run, lambda: _jax_rows((state[0], *state[1]), rows)
 
 
 # --- torch / FBGEMM ---------------------------------------------------------
@@ -254,37 +401,58 @@ def _import_torch():
     import torch
   except ImportError as e:
     return None, f"torch not installed ({e})"
+  torch.set_num_threads(os.cpu_count() or 1)
   return torch, None
 
 
-def bench_torch(table_np, ids, act_grad_np):
+def _torch_bag(torch, table_np, optimizer):
+  # A step updates the table in place: it gets its own copy.
+  weight = table_np if optimizer is None else table_np.copy()
+  bag = torch.nn.EmbeddingBag.from_pretrained(
+    torch.from_numpy(weight), freeze=False, mode="sum", sparse=True
+  )
+  if optimizer is None:
+    return bag, None
+  if optimizer == "sgd":
+    return bag, torch.optim.SGD(bag.parameters(), lr=LEARNING_RATE)
+  return bag, torch.optim.Adagrad(
+    bag.parameters(),
+    lr=LEARNING_RATE,
+    initial_accumulator_value=INITIAL_ACCUMULATOR,
+  )
+
+
+def torch_impl(table_np, ids, act_grad_np, optimizer, rows) -> Impl:
+  """EmbeddingBag forward (optimizer None) or step, from the raw ids."""
   torch, _ = _import_torch()
-  torch.set_num_threads(os.cpu_count() or 1)
-  flat = torch.from_numpy(ids.reshape(-1))
-  offsets = torch.arange(0, flat.numel(), ids.shape[1], dtype=torch.int64)
-  grad_out = torch.from_numpy(act_grad_np)
-  res = {}
-  for opt in ("fwd", "sgd", "adagrad"):
-    bag = torch.nn.EmbeddingBag.from_pretrained(
-      torch.from_numpy(table_np), freeze=False, mode="sum", sparse=True
-    )
-    if opt == "fwd":
+  bag, optim = _torch_bag(torch, table_np, optimizer)
+  offsets = torch.arange(0, ids.size, ids.shape[1], dtype=torch.int64)
+
+  def lookup():
+    return bag(torch.from_numpy(ids.reshape(-1)), offsets)
+
+  if optimizer is None:
+
+    def forward():
       with torch.no_grad():
-        res[opt] = timeit(lambda bag=bag: bag(flat, offsets))
-      continue
-    cls = torch.optim.SGD if opt == "sgd" else torch.optim.Adagrad
-    kw = {"initial_accumulator_value": 0.1} if opt == "adagrad" else {}
-    optim = cls(bag.parameters(), lr=LEARNING_RATE, **kw)
+        return lookup()
 
-    def run(bag=bag, optim=optim):
-      optim.zero_grad()
-      bag(flat, offsets).backward(grad_out)
-      optim.step()
+    return forward, lambda: forward().numpy()
 
-    res[opt] = timeit(run)
-    del bag, optim
-    gc.collect()
-  return res
+  grad_out = torch.from_numpy(act_grad_np)
+
+  def run():
+    optim.zero_grad()
+    lookup().backward(grad_out)
+    optim.step()
+
+  def result():
+    table = bag.weight.detach().numpy()[rows]
+    if optimizer == "sgd":
+      return table[None]
+    return np.stack([table, optim.state[bag.weight]["sum"].numpy()[rows]])
+
+  return run, result
 
 
 def _import_fbgemm():
@@ -312,61 +480,229 @@ def _import_fbgemm():
   ), None
 
 
-def bench_fbgemm(table_np, ids, act_grad_np):
+# Our optimizer names -> FBGEMM's optimizer types (None: forward only).
+FBGEMM_OPTIMIZERS = {
+  None: "EXACT_SGD",
+  "sgd": "EXACT_SGD",
+  "adagrad": "EXACT_ADAGRAD",
+  "rowwise adagrad": "EXACT_ROWWISE_ADAGRAD",
+}
+
+
+def fbgemm_impl(table_np, ids, act_grad_np, optimizer, rows) -> Impl:
+  """FBGEMM's table-batched embedding on CPU, forward or fused step."""
   mods, _ = _import_fbgemm()
-  torch, Location, Device, Tbe, OptimType = mods
-  torch.set_num_threads(os.cpu_count() or 1)
-  vocab = table_np.shape[0]
+  torch, location, device, tbe_cls, optim_type = mods
+  tbe = tbe_cls(
+    [(table_np.shape[0], DIM, location.HOST, device.CPU)],
+    optimizer=getattr(optim_type, FBGEMM_OPTIMIZERS[optimizer]),
+    learning_rate=LEARNING_RATE,
+    eps=FBGEMM_EPS,
+  )
+  with torch.no_grad():
+    tbe.split_embedding_weights()[0].copy_(torch.from_numpy(table_np))
+    for states in tbe.split_optimizer_states():
+      states[0].fill_(INITIAL_ACCUMULATOR)
   flat = torch.from_numpy(ids.reshape(-1))
-  offsets = torch.arange(0, flat.numel() + 1, ids.shape[1], dtype=torch.int64)
-  grad_out = torch.from_numpy(act_grad_np)
-  res = {}
-  for opt, otype in (
-    ("fwd", OptimType.EXACT_SGD),
-    ("sgd", OptimType.EXACT_SGD),
-    ("adagrad", OptimType.EXACT_ROWWISE_ADAGRAD),
-  ):
-    tbe = Tbe(
-      [(vocab, DIM, Location.HOST, Device.CPU)],
-      optimizer=otype,
-      learning_rate=LEARNING_RATE,
-      eps=1e-8,
-    )
-    with torch.no_grad():
-      tbe.split_embedding_weights()[0].copy_(torch.from_numpy(table_np))
-    if opt == "fwd":
+  offsets = torch.arange(0, ids.size + 1, ids.shape[1], dtype=torch.int64)
+  if optimizer is None:
+
+    def forward():
       with torch.no_grad():
-        res[opt] = timeit(lambda tbe=tbe: tbe(flat, offsets))
-    else:
+        return tbe(flat, offsets)
 
-      def run(tbe=tbe):
-        tbe(flat, offsets).backward(grad_out)
+    return forward, lambda: forward().numpy()
 
-      res[opt] = timeit(run)
-    del tbe
-    gc.collect()
-  return res
+  def result():
+    table = tbe.split_embedding_weights()[0].detach().numpy()[rows]
+    if optimizer == "sgd":
+      return table[None]
+    acc = tbe.split_optimizer_states()[0][0].detach().numpy()[rows]
+    return np.stack(
+      [table, np.broadcast_to(acc.reshape(len(rows), -1), table.shape)]
+    )
+
+  grad_out = torch.from_numpy(act_grad_np)
+  return lambda: tbe(flat, offsets).backward(grad_out), result
+
+
+def rowwise_adagrad_reference(table_np, ids, act_grad_np, rows) -> Impl:
+  """One exact row-wise Adagrad step (FBGEMM's rule) at ``rows``.
+
+  ``rows`` must be the sorted unique ids.
+  """
+  samples = np.repeat(np.arange(BATCH), ids.shape[1])
+  inverse = np.searchsorted(rows, ids.reshape(-1))
+  g = np.zeros((rows.size, DIM), np.float32)
+  np.add.at(g, inverse, act_grad_np[samples])
+  acc = INITIAL_ACCUMULATOR + (g * g).mean(axis=1, keepdims=True)
+  table = table_np[rows] - LEARNING_RATE * g / (np.sqrt(acc) + FBGEMM_EPS)
+  return np.stack([table, np.broadcast_to(acc, table.shape)])
 
 
 # --- driver -----------------------------------------------------------------
 
+PEERS = {
+  "torch": ("torch EmbeddingBag", _import_torch),
+  "fbgemm": ("FBGEMM TBE", _import_fbgemm),
+}
+
 
 def touched_bytes(ids: np.ndarray, op: str) -> int:
+  """Embedding bytes a call must move: looked-up rows (+ touched state)."""
   row = DIM * 4
-  lookups = ids.size
   if op == "fwd":
-    return lookups * row
-  unique = np.unique(ids).size
+    return ids.size * row
   slots = 0 if op == "sgd" else 1
-  return lookups * row + unique * row * 2 * (1 + slots)
+  return ids.size * row + np.unique(ids).size * row * 2 * (1 + slots)
 
 
-def input_pass_lines(label: str, ours: dict[str, float]) -> list[str]:
-  """Rows of the input-pass table for one workload."""
+class Report:
+  """Collects the table rows of one run."""
+
+  HEADER = (
+    f"{'workload':<13}{'op':<15}{'peer':<24}{'ours ms':>9}{'peer ms':>9}"
+    f"{'x ours':>8}{'GB/s':>7}  check"
+  )
+
+  def __init__(self):
+    self.lines = {
+      k: [self.HEADER, "-" * (len(self.HEADER) + 20)] for k in (1, 2, 3)
+    }
+    self.notes: list[str] = []
+
+  def pair(
+    self, table, label, op, peer, ours: Impl, other: Impl, check, nbytes
+  ):
+    """Checks, then times ``ours`` and ``other`` interleaved; adds a row."""
+    ours[0]()
+    other[0]()
+    verdict = check(ours[1](), other[1]())
+    t_ours, t_peer = interleaved(ours[0], other[0])
+    self.lines[table].append(
+      f"{label:<13}{op:<15}{peer:<24}{t_ours:>9.2f}{t_peer:>9.2f}"
+      f"{t_peer / t_ours:>8.2f}{nbytes / t_ours / 1e6:>7.1f}  {verdict}"
+    )
+
+  def table(self, number: int) -> str:
+    return "\n".join(self.lines[number])
+
+
+def _peers(skip: bool) -> tuple[dict[str, str], list[str]]:
+  """Available peers (key -> name) and notes on the missing ones."""
+  available, notes = {}, []
+  if skip:
+    return available, notes
+  for key, (name, probe) in PEERS.items():
+    if (err := probe()[1]) is None:
+      available[key] = name
+    else:
+      notes.append(f"{name}: skipped, {err}")
+  return available, notes
+
+
+def _check_forward(ours: np.ndarray, peer: np.ndarray) -> str:
+  return rows_equal(ours, peer)
+
+
+def _check_step(ours: np.ndarray, peer: np.ndarray) -> str:
+  """Touched table rows (and accumulator rows), ours against the peer's."""
+  return rows_equal(ours, peer, STEP_RTOL)
+
+
+def bench_forward(report, label, table_np, ids, bufs, peers) -> None:
+  """Table 1: the forward against each peer."""
+  ours = ours_forward(jnp.asarray(table_np), bufs)
+  nbytes = touched_bytes(ids, "fwd")
+  makers = {"torch": torch_impl, "fbgemm": fbgemm_impl}
+  for key, name in peers.items():
+    other = makers[key](table_np, ids, None, None, None)
+    report.pair(1, label, "fwd", name, ours, other, _check_forward, nbytes)
+    del other
+    gc.collect()
+  report.pair(
+    1,
+    label,
+    "fwd",
+    "plain JAX",
+    ours,
+    jax_forward(table_np, ids),
+    _check_forward,
+    nbytes,
+  )
+
+
+def bench_steps(report, label, table_np, ids, bufs, act_grad_np, peers):
+  """Table 2: a training step (forward + backward + update) per optimizer."""
+  rows = np.unique(ids)
+  act_grad = jnp.asarray(act_grad_np)
+  reference = rowwise_adagrad_reference(table_np, ids, act_grad_np, rows)
+  for opt in ("sgd", "adagrad"):
+    pairs = []
+    if "torch" in peers:
+      pairs.append((peers["torch"], torch_impl, opt, _check_step))
+    if "fbgemm" in peers:
+      name = "FBGEMM exact " + ("SGD" if opt == "sgd" else "Adagrad")
+      pairs.append((name, fbgemm_impl, opt, _check_step))
+      if opt == "adagrad":
+        pairs.append(
+          (
+            "FBGEMM row-wise Adagrad",
+            fbgemm_impl,
+            "rowwise adagrad",
+            lambda _, got: (
+              "vs its own rule (numpy): " + _check_step(got, reference)
+            ),
+          )
+        )
+    pairs.append(("plain JAX (dense)", jax_step, opt, _check_step))
+    for name, maker, peer_opt, check in pairs:
+      ours = ours_step(table_np, bufs, act_grad, opt, rows)
+      other = maker(table_np, ids, act_grad_np, peer_opt, rows)
+      report.pair(
+        2,
+        label,
+        f"step {opt}",
+        name,
+        ours,
+        other,
+        check,
+        touched_bytes(ids, opt),
+      )
+      del ours, other
+      gc.collect()
+
+
+def bench_raw(report, label, table_np, ids, act_grad_np, peers) -> None:
+  """Table 3: from raw ids, our preprocessing included, against torch."""
+  if "torch" not in peers:
+    return
+  rows = np.unique(ids)
+  act_grad = jnp.asarray(act_grad_np)
+  for opt in (None, "sgd", "adagrad"):
+    ours = ours_raw(table_np, ids, act_grad, opt, rows)
+    other = torch_impl(table_np, ids, act_grad_np, opt, rows)
+    op = "fwd" if opt is None else f"step {opt}"
+    report.pair(
+      3,
+      label,
+      op,
+      peers["torch"],
+      ours,
+      other,
+      _check_forward if opt is None else _check_step,
+      touched_bytes(ids, opt or "fwd"),
+    )
+    del ours, other
+    gc.collect()
+
+
+def input_pass_lines(label: str, res: dict[str, float]) -> list[str]:
+  """Rows of table 4 for one workload."""
   lines = []
   for opt in ("sgd", "adagrad"):
-    bwd = ours[f"bwd {opt}"]
-    warm, cold = ours["input pass"], ours[f"input pass after {opt}"]
+    bwd = res[f"bwd {opt}"]
+    warm, cold = res["input pass"], res[f"after {opt}"]
     lines.append(
       f"{label:<13}{opt:<9}{bwd:>9.2f}{warm:>11.3f}{100 * warm / bwd:>7.2f}"
       f"{cold:>13.3f}{100 * cold / bwd:>7.2f}"
@@ -374,10 +710,20 @@ def input_pass_lines(label: str, ours: dict[str, float]) -> list[str]:
   return lines
 
 
+WORKLOADS = [
+  (1_000_000, "uniform"),
+  (1_000_000, "zipf"),
+  (8_000_000, "uniform"),
+]
+
+
 def _parse_args() -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--repeats", type=int, default=REPEATS)
   parser.add_argument("--skip-peers", action="store_true")
+  parser.add_argument(
+    "--workloads", default=",".join(map(str, range(len(WORKLOADS))))
+  )
   return parser.parse_args()
 
 
@@ -385,66 +731,44 @@ def main() -> None:
   global REPEATS
   args = _parse_args()
   REPEATS = args.repeats
-  workloads = [
-    (1_000_000, "uniform"),
-    (1_000_000, "zipf"),
-    (8_000_000, "uniform"),
-  ]
-  peers = [
-    ("torch EmbeddingBag", bench_torch, _import_torch),
-    ("FBGEMM TBE", bench_fbgemm, _import_fbgemm),
-    ("plain JAX", bench_jax, None),
-  ]
-  if args.skip_peers:
-    peers = []
-  notes = []
-  for name, _, probe in peers:
-    if probe is not None and (err := probe()[1]) is not None:
-      notes.append(f"{name}: skipped, {err}")
-  skipped = {n.split(":")[0] for n in notes}
-  rng = np.random.default_rng(0)
-  header = (
-    f"{'workload':<13}{'op':<17}{'impl':<20}{'ms':>9}{'Mlookup/s':>11}"
-    f"{'GB/s':>8}{'x ours':>8}"
-  )
-  lines = [header, "-" * len(header)]
-  check_header = (
+  peers, notes = _peers(args.skip_peers)
+  report = Report()
+  pass_header = (
     f"{'workload':<13}{'bwd':<9}{'bwd ms':>9}{'pass ms':>11}{'%':>7}"
     f"{'after bwd ms':>13}{'%':>7}"
   )
-  check_lines = [check_header, "-" * len(check_header)]
-  for vocab, dist in workloads:
+  pass_lines = [pass_header, "-" * len(pass_header)]
+  for index in map(int, args.workloads.split(",")):
+    vocab, dist = WORKLOADS[index]
+    rng = np.random.default_rng(index)
     ids = make_ids(vocab, dist, rng)
     table = rng.normal(size=(vocab, DIM)).astype(np.float32) * 0.01
     act_grad = rng.normal(size=(BATCH, DIM)).astype(np.float32)
-    results = {"ours": bench_ours(table, ids, act_grad)}
-    gc.collect()
-    for name, fn, _ in peers:
-      if name not in skipped:
-        results[name] = fn(table, ids, act_grad)
-        gc.collect()
+    bufs = tuple(jnp.asarray(b) for b in build_buffers(ids))
     label = f"{vocab // 1_000_000}M {dist}"
-    check_lines += input_pass_lines(label, results["ours"])
-    for op in ("fwd", "sgd", "adagrad"):
-      ours = results["ours"][op]
-      op_name = "fwd" if op == "fwd" else f"fwd+bwd {op}"
-      for impl, res in results.items():
-        ms = res[op]
-        lines.append(
-          f"{label:<13}{op_name:<17}{impl:<20}{ms:>9.2f}"
-          f"{ids.size / ms / 1e3:>11.1f}"
-          f"{touched_bytes(ids, op) / ms / 1e6:>8.1f}"
-          f"{ms / ours:>8.2f}"
-        )
-    del table, results
+    bench_forward(report, label, table, ids, bufs, peers)
+    bench_steps(report, label, table, ids, bufs, act_grad, peers)
+    bench_raw(report, label, table, ids, act_grad, peers)
+    pass_lines += input_pass_lines(
+      label, bench_input_pass(table, bufs, jnp.asarray(act_grad))
+    )
+    del table, bufs
     gc.collect()
   print(
     f"batch {BATCH} x {IDS_PER_SAMPLE} ids, dim {DIM}, f32, "
-    f"{os.cpu_count()} CPU threads, jax {jax.__version__}"
+    f"{os.cpu_count()} CPU threads, jax {jax.__version__}, "
+    f"kernels {pzsc.backend_info().extension_path}"
   )
-  print("\n".join(lines))
-  print("\nThe fused backward's input pass (pzsc_check_coo) vs the backward:")
-  print("\n".join(check_lines))
+  print("\n1. Forward (ours: preprocessed buffers; peers: raw ids):")
+  print(report.table(1))
+  print("\n2. Training step (forward + backward + update, in place):")
+  print(report.table(2))
+  print("\n3. From raw ids (ours: public preprocessing inside the timing):")
+  print(report.table(3))
+  print(
+    "\n4. The fused backward's input pass (pzsc_check_coo) vs the backward:"
+  )
+  print("\n".join(pass_lines))
   for note in notes:
     print(note, file=sys.stderr)
 

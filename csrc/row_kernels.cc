@@ -78,117 +78,139 @@ struct Cursor {
   int64_t end;
 };
 
-// Fixed-width row sums of the forward: 16 floats per vector (one zmm on
-// AVX-512, two ymm on AVX2), up to kMaxVecs vectors kept in registers.
-typedef float Vec16 __attribute__((vector_size(64), aligned(4), may_alias));
-constexpr int64_t kLanes = 16;
-constexpr int64_t kMaxVecs = 8;
+// Fixed-width row updates of the forward: 8 floats per vector (one ymm on
+// AVX2 and AVX-512, two xmm on the baseline). 64-byte vectors compile to
+// stack spills and shuffles on AVX2 (1M Zipf forward ~3x slower there).
+typedef float Vec8 __attribute__((vector_size(32), aligned(4), may_alias));
+constexpr int64_t kLanes = 8;
+constexpr int64_t kMaxVecs = 16;
 
-// out[r, :] = sum over j in [starts[r - 1], starts[r]) of
-// sorted[j].gain * table row, in j order, for r in [0, rows); dim is
-// kVecs * kLanes. Same per-element arithmetic as Axpy into a zeroed row.
+// out[r, :] = sum over the chunks c in order and j in
+// [c.starts[r], c.starts[r + 1]) of c.sorted[j].gain * table row, in j
+// order, for r in [row_begin, row_end); the dim is kVecs * kLanes when
+// kVecs > 0, `dim` otherwise. Same per-element arithmetic as Axpy into a
+// zeroed row.
 template <int kVecs>
 __attribute__((always_inline)) inline void SumRows(
-    const ForwardEntry* __restrict sorted, const int64_t* __restrict ends,
-    int64_t rows, int64_t n, const float* __restrict table,
-    float* __restrict out) {
-  constexpr int64_t dim = kVecs * kLanes;
-  int64_t j = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    Vec16 acc[kVecs];
-    for (int v = 0; v < kVecs; ++v) acc[v] = Vec16{};
-    for (const int64_t end = ends[r]; j < end; ++j) {
-      PrefetchRowToL2(
-          table +
-              sorted[std::min(j + kForwardPrefetchDistance, n - 1)].table_offset,
-          dim);
-      const Vec16* x =
-          reinterpret_cast<const Vec16*>(table + sorted[j].table_offset);
-      const float g = sorted[j].gain;
-      for (int v = 0; v < kVecs; ++v) acc[v] += g * x[v];
+    const ForwardChunk* chunks, int64_t num_chunks, int64_t row_begin,
+    int64_t row_end, const float* __restrict table, float* __restrict out,
+    int64_t dim) {
+  if (kVecs > 0) dim = kVecs * kLanes;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    float* __restrict o = out + r * dim;
+    Vec8 acc[kVecs > 0 ? kVecs : 1];
+    if (kVecs > 0) {
+      for (int v = 0; v < kVecs; ++v) acc[v] = Vec8{};
+    } else {
+      for (int64_t i = 0; i < dim; ++i) o[i] = 0.0f;
     }
-    Vec16* o = reinterpret_cast<Vec16*>(out + r * dim);
-    for (int v = 0; v < kVecs; ++v) o[v] = acc[v];
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const ForwardEntry* __restrict sorted = chunks[c].sorted.data();
+      const int64_t last = static_cast<int64_t>(chunks[c].sorted.size()) - 1;
+      const int64_t* starts = chunks[c].starts.data();
+      for (int64_t j = starts[r], end = starts[r + 1]; j < end; ++j) {
+        PrefetchRowToL2(
+            table + sorted[std::min(j + kForwardPrefetchDistance, last)]
+                        .table_offset,
+            dim);
+        const float g = sorted[j].gain;
+        const float* __restrict x = table + sorted[j].table_offset;
+        if (kVecs > 0) {
+          const Vec8* xv = reinterpret_cast<const Vec8*>(x);
+          for (int v = 0; v < kVecs; ++v) acc[v] += g * xv[v];
+        } else {
+          Axpy(g, x, o, dim);
+        }
+      }
+    }
+    if (kVecs > 0) {
+      Vec8* ov = reinterpret_cast<Vec8*>(o);
+      for (int v = 0; v < kVecs; ++v) ov[v] = acc[v];
+    }
   }
 }
 
 }  // namespace
 
 PZSC_MULTIVERSION
-void ForwardOutputRange(const CooView& view, const std::vector<Slice>& slices,
-                        const float* table, int64_t out_begin, int64_t out_end,
-                        float* out, ForwardScratch* scratch) {
+void ForwardSortChunk(const CooView& view, const std::vector<Slice>& slices,
+                      int64_t begin, int64_t end, ForwardChunk* chunk) {
   const int64_t dim = view.dim;
   const int64_t spp = view.attrs.samples_per_segment;
   const int64_t rpp = view.attrs.rows_per_partition;
-  const int64_t width = out_end - out_begin;
-  int64_t total = 0;
-  for (const Slice& s : slices) total += s.end - s.begin;
-  scratch->entries.resize(total);
-  ForwardEntry* __restrict entries = scratch->entries.data();
+  const int64_t num_out = view.num_outputs();
   const int32_t* __restrict ids = view.ids;
   const int32_t* __restrict sids = view.sample_ids;
   const float* __restrict gains = view.gains;
-  // 1. Branch-free compaction: every entry is written, kept ones advance n.
+  // 1. Branch-free compaction (every entry is written, kept ones advance n)
+  // and a count of each row's entries at starts[row + 2] (skipped entries
+  // count at starts[0], reset afterwards).
+  chunk->entries.resize(end - begin);
+  ForwardEntry* __restrict entries = chunk->entries.data();
+  chunk->starts.assign(num_out + 2, 0);
+  int64_t* __restrict starts = chunk->starts.data();
   int64_t n = 0;
+  int64_t at = 0;  // Offset of slice s in the concatenation.
   for (const Slice& s : slices) {
-    const int64_t base = s.segment * spp - out_begin;
-    if (base >= width || base + spp <= 0) continue;
+    const int64_t lo = s.begin + std::max<int64_t>(begin - at, 0);
+    const int64_t hi = s.begin + std::min<int64_t>(end - at, s.end - s.begin);
+    at += s.end - s.begin;
+    const int64_t out_base = s.segment * spp;
     const int64_t row_base = s.partition * rpp;
-    for (int64_t j = s.begin; j < s.end; ++j) {
+    for (int64_t j = lo; j < hi; ++j) {
       const int32_t id = ids[j];
       const int32_t sid = sids[j];
-      const int64_t r = base + sid;
       const bool keep = id != kPadId && static_cast<uint32_t>(id) < rpp &&
-                        static_cast<uint32_t>(sid) < spp &&
-                        static_cast<uint64_t>(r) < static_cast<uint64_t>(width);
+                        static_cast<uint32_t>(sid) < spp;
       // Offsets of skipped entries are never formed (they could overflow).
+      const int64_t r = keep ? out_base + sid : 0;
       entries[n] = {keep ? (row_base + id) * dim : 0, gains[j],
-                    static_cast<int32_t>(keep ? r : 0)};
+                    static_cast<int32_t>(r)};
       n += keep;
+      ++starts[keep ? r + 2 : 0];
     }
   }
-  // 2. Stable counting sort by output row: starts[r] .. starts[r + 1] are
-  // row r's entries in `sorted`, in compaction (= buffer) order.
-  scratch->starts.assign(width + 1, 0);
-  int64_t* __restrict starts = scratch->starts.data();
-  for (int64_t j = 0; j < n; ++j) ++starts[entries[j].out_row + 1];
-  for (int64_t r = 0; r < width; ++r) starts[r + 1] += starts[r];
-  scratch->sorted.resize(n);
-  ForwardEntry* __restrict sorted = scratch->sorted.data();
+  starts[0] = 0;
+  // 2. Stable counting sort by output row: after it, row r's entries are
+  // sorted[starts[r], starts[r + 1]), in compaction (= buffer) order.
+  for (int64_t r = 0; r < num_out; ++r) starts[r + 2] += starts[r + 1];
+  chunk->sorted.resize(n);
+  ForwardEntry* __restrict sorted = chunk->sorted.data();
   for (int64_t j = 0; j < n; ++j) {
-    sorted[starts[entries[j].out_row]++] = entries[j];
+    sorted[starts[entries[j].out_row + 1]++] = entries[j];
   }
-  // starts[r] is now row r's end; row r begins at starts[r - 1] (0 for r=0).
-  // 3. Sum each output row in registers and store it once (empty rows: 0).
-  float* out_rows = out + out_begin * dim;
-  if (dim % kLanes == 0 && dim <= kMaxVecs * kLanes) {
-    switch (dim / kLanes) {
-#define PZSC_SUM_CASE(k) \
-  case k:                \
-    return SumRows<k>(sorted, starts, width, n, table, out_rows);
-      PZSC_SUM_CASE(1)
-      PZSC_SUM_CASE(2)
-      PZSC_SUM_CASE(3)
-      PZSC_SUM_CASE(4)
-      PZSC_SUM_CASE(5)
-      PZSC_SUM_CASE(6)
-      PZSC_SUM_CASE(7)
-      PZSC_SUM_CASE(8)
+  chunk->starts.pop_back();
+}
+
+PZSC_MULTIVERSION
+void ForwardSumRows(const ForwardChunk* chunks, int64_t num_chunks,
+                    const float* table, int64_t dim, int64_t row_begin,
+                    int64_t row_end, float* out) {
+  switch (dim % kLanes == 0 && dim <= kMaxVecs * kLanes ? dim / kLanes : 0) {
+#define PZSC_SUM_CASE(k)                                                   \
+  case k:                                                                  \
+    return SumRows<k>(chunks, num_chunks, row_begin, row_end, table, out, \
+                      dim);
+    PZSC_SUM_CASE(1)
+    PZSC_SUM_CASE(2)
+    PZSC_SUM_CASE(3)
+    PZSC_SUM_CASE(4)
+    PZSC_SUM_CASE(5)
+    PZSC_SUM_CASE(6)
+    PZSC_SUM_CASE(7)
+    PZSC_SUM_CASE(8)
+    PZSC_SUM_CASE(9)
+    PZSC_SUM_CASE(10)
+    PZSC_SUM_CASE(11)
+    PZSC_SUM_CASE(12)
+    PZSC_SUM_CASE(13)
+    PZSC_SUM_CASE(14)
+    PZSC_SUM_CASE(15)
+    PZSC_SUM_CASE(16)
 #undef PZSC_SUM_CASE
-    }
-  }
-  int64_t j = 0;
-  for (int64_t r = 0; r < width; ++r) {
-    float* __restrict o = out_rows + r * dim;
-    for (int64_t i = 0; i < dim; ++i) o[i] = 0.0f;
-    for (const int64_t end = starts[r]; j < end; ++j) {
-      PrefetchRowToL2(
-          table +
-              sorted[std::min(j + kForwardPrefetchDistance, n - 1)].table_offset,
-          dim);
-      Axpy(sorted[j].gain, table + sorted[j].table_offset, o, dim);
-    }
+    default:
+      return SumRows<0>(chunks, num_chunks, row_begin, row_end, table, out,
+                        dim);
   }
 }
 

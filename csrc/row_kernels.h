@@ -39,18 +39,20 @@ struct BackwardPlan {
   float clip_max;
 };
 
-// Scratch of ForwardOutputRange: one valid entry of the output range.
+// One valid entry of the forward.
 struct ForwardEntry {
   int64_t table_offset;  // Element offset of the table row.
   float gain;
-  int32_t out_row;  // Relative to the range start.
+  int32_t out_row;  // segment * samples_per_segment + sample.
 };
 
-// Reusable (thread-local) buffers of ForwardOutputRange.
-struct ForwardScratch {
-  std::vector<ForwardEntry> entries;  // The range's entries, buffer order.
-  std::vector<ForwardEntry> sorted;   // The same, stably sorted by out_row.
-  std::vector<int64_t> starts;        // Per output row offsets into sorted.
+// One chunk of the forward's entries, sorted by output row
+// (ForwardSortChunk).
+struct ForwardChunk {
+  std::vector<ForwardEntry> entries;  // Buffer order (scratch).
+  std::vector<ForwardEntry> sorted;   // By output row, then buffer order.
+  // Output row r's entries are sorted[starts[r], starts[r + 1]).
+  std::vector<int64_t> starts;
 
   size_t bytes() const {
     return (entries.capacity() + sorted.capacity()) * sizeof(ForwardEntry) +
@@ -58,17 +60,20 @@ struct ForwardScratch {
   }
 };
 
-// Writes out[r, :] for every r in [out_begin, out_end) (all other rows
-// untouched; rows without entries get zeros): collects the range's valid
-// entries (slices in order, buffer order within a slice), stably
-// counting-sorts them by output row, then sums each row's gain * table rows
-// in registers (vector accumulators for dim = 16k <= 128, a generic loop
-// otherwise; table rows prefetched into L2 48 entries ahead) and stores it
-// once. Every output row thus sums its entries in buffer order starting from
-// 0, however the output rows are split between calls.
-void ForwardOutputRange(const CooView& view, const std::vector<Slice>& slices,
-                        const float* table, int64_t out_begin, int64_t out_end,
-                        float* out, ForwardScratch* scratch);
+// Collects the valid entries among entries [begin, end) of the slices
+// concatenated in order (a branch-free compaction, buffer order kept) and
+// stably counting-sorts them by output row into `chunk`.
+void ForwardSortChunk(const CooView& view, const std::vector<Slice>& slices,
+                      int64_t begin, int64_t end, ForwardChunk* chunk);
+
+// Writes out[r, :] for r in [row_begin, row_end): the sum of gain * table
+// row over the row's entries in chunks[0], then chunks[1], ... (buffer
+// order), starting from 0 (zeros without entries). Vector registers for
+// dim = 8k <= 128, a generic loop otherwise; table rows prefetched into L2
+// ahead.
+void ForwardSumRows(const ForwardChunk* chunks, int64_t num_chunks,
+                    const float* table, int64_t dim, int64_t row_begin,
+                    int64_t row_end, float* out);
 
 // Whether ids[0, n) is non-decreasing (one vectorised pass, no early exit).
 bool IdsSorted(const int32_t* ids, int64_t n);

@@ -212,6 +212,15 @@ FORWARD_CASES = {
   ),
   "no_invalid": dict(num_segments=2, num_partitions=2, invalid_entries=False),
   "many_parts": dict(num_segments=2, num_partitions=16, samples_per_segment=8),
+  # Enough entries (~60k) for the forward to split them into chunks, with
+  # chunk boundaries inside slices and output rows spanning chunks.
+  "large": dict(
+    num_segments=3,
+    num_partitions=4,
+    samples_per_segment=256,
+    rows_per_partition=2048,
+    ids_per_sample=40,
+  ),
 }
 
 
