@@ -277,6 +277,7 @@ def test_python_fallback_gives_the_same_results(monkeypatch):
 
 
 def test_missing_reader_warns(monkeypatch):
+  monkeypatch.delenv(ragged_input.READER_ENV, raising=False)
   monkeypatch.setitem(sys.modules, "pz_sparsecore._pzsc_ragged", None)
   with pytest.warns(ragged_input.ReaderFallbackWarning, match="did not load"):
     reader = ragged_input._load_reader()
@@ -354,3 +355,14 @@ def test_any_leaf_reads_as_in_python_or_raises(leaves, vocab):
   finally:
     ragged_input.READER = reader
   assert compiled == python
+
+
+def test_reader_from_a_named_file_and_a_bad_one(monkeypatch, tmp_path):
+  path = ragged_input.READER.__file__
+  monkeypatch.setenv(ragged_input.READER_ENV, path)
+  assert ragged_input._load_reader().__file__ == path
+  bad = tmp_path / "not_a_module.so"
+  bad.write_bytes(b"not an extension")
+  monkeypatch.setenv(ragged_input.READER_ENV, str(bad))
+  with pytest.warns(ragged_input.ReaderFallbackWarning, match="did not load"):
+    assert ragged_input._load_reader() is None
