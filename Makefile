@@ -63,6 +63,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q torch==2.13.0 fbgemm-gpu-cpu==1.8.0
+	# Upstream's preprocessor, for the side-by-side rows only (its pybind
+	# module needs none of its dependencies): never a dependency of ours.
+	$(PY) -m pip install -q --no-deps jax-tpu-embedding==0.1.0
 	$(PY) benchmarks/preprocess.py
 	$(PY) benchmarks/kernels.py
 	$(PY) benchmarks/train_step.py
