@@ -51,12 +51,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get(
     + " --xla_force_host_platform_device_count=8"
   ).strip()
 
-import _fdo  # noqa: E402
+import _embeds  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
 from penzai import pz  # noqa: E402
 
 import pz_sparsecore as pzsc  # noqa: E402
@@ -84,25 +83,14 @@ class Model(pz.nn.Layer):
 
 def build(vocab: int) -> tuple[Model, list]:
   """The model and four preprocessed batches `(inputs, targets)`."""
-  table = pzsc.TableSpec(
-    name="table",
-    vocabulary_size=vocab,
-    embedding_dim=DIM,
-    initializer=jax.nn.initializers.normal(0.1),
-    optimizer=pzsc.AdagradOptimizerSpec(learning_rate=0.05),
-    combiner="sum",
-    max_ids_per_partition=BATCH * IDS,
-    max_unique_ids_per_partition=BATCH * IDS,
-  )
-  feature = pzsc.FeatureSpec(
-    name="ids",
-    table_spec=table,
-    input_shape=(BATCH, IDS),
-    output_shape=(BATCH, DIM),
-  )
-  mesh = Mesh(np.array(jax.devices()), ("device",))
-  embed = pzsc.SparseCoreEmbed.from_config(
-    "embed", jax.random.key(0), {"ids": feature}, mesh
+  rng = np.random.default_rng(0)
+  ids = [rng.integers(0, vocab, (BATCH, IDS)) for _ in range(4)]
+  embed = _embeds.one_feature(
+    vocab,
+    DIM,
+    (BATCH, IDS),
+    pzsc.AdagradOptimizerSpec(learning_rate=0.05),
+    ids,
   )
   k1, k2 = jax.random.split(jax.random.key(1))
   head = pz.nn.Sequential(
@@ -112,9 +100,6 @@ def build(vocab: int) -> tuple[Model, list]:
       pz.nn.Linear.from_config("h2", k2, {"h": HIDDEN}, {"out": OUT}),
     ]
   )
-  rng = np.random.default_rng(0)
-  ids = [rng.integers(0, vocab, (BATCH, IDS)) for _ in range(4)]
-  embed = _fdo.tuned(embed, ({"ids": x} for x in ids))
   batches = [
     (
       embed.preprocess({"ids": x})[0],

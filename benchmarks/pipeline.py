@@ -37,7 +37,7 @@ import statistics
 import sys
 import time
 
-import _fdo
+import _embeds
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,7 +147,7 @@ def _fitted_embed(raws) -> pzsc.SparseCoreEmbed:
   embed = pzsc.SparseCoreEmbed.from_config(
     "embed", jax.random.key(0), _feature_specs(), mesh
   )
-  return _fdo.tuned(embed, (ids for ids, _ in raws))
+  return _embeds.tuned(embed, (ids for ids, _ in raws))
 
 
 def _step_kwargs(embed):

@@ -24,7 +24,6 @@ process's lifetime maximum (``ru_maxrss``).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import statistics
@@ -77,12 +76,10 @@ def _batches(vocab: int):
 
 
 def _run_ours(vocab: int, optimizer: str):
-  import _fdo
+  import _embeds
   import jax
   import jax.numpy as jnp
-  import numpy as np
   import optax
-  from jax.sharding import Mesh
   from penzai import pz
 
   from pz_sparsecore import specs
@@ -93,25 +90,9 @@ def _run_ours(vocab: int, optimizer: str):
     "adagrad": specs.AdagradOptimizerSpec(learning_rate=0.1),
     "adam": specs.AdamOptimizerSpec(learning_rate=0.01),
   }[optimizer]
-  mesh = Mesh(np.array(jax.devices()), ("device",))
-  table = specs.TableSpec(
-    name="table",
-    vocabulary_size=vocab,
-    embedding_dim=DIM,
-    initializer=jax.nn.initializers.normal(0.1),
-    optimizer=opt,
-    combiner="sum",
-    max_ids_per_partition=BATCH * IDS,
-    max_unique_ids_per_partition=BATCH * IDS,
-  )
-  feature = specs.FeatureSpec(
-    name="ids",
-    table_spec=table,
-    input_shape=(BATCH, IDS),
-    output_shape=(BATCH, DIM),
-  )
-  embed = SparseCoreEmbed.from_config(
-    "embed", jax.random.key(0), {"ids": feature}, mesh
+  data = _batches(vocab)
+  embed = _embeds.one_feature(
+    vocab, DIM, (BATCH, IDS), opt, [ids for ids, _ in data]
   )
 
   @pz.pytree_dataclass
@@ -138,9 +119,6 @@ def _run_ours(vocab: int, optimizer: str):
     loss = jnp.mean((pred - targets) ** 2)
     return loss, state, {"loss": loss}
 
-  data = _batches(vocab)
-  tuned = _fdo.tuned(embed, ({"ids": ids} for ids, _ in data))
-  model = dataclasses.replace(model, embed=tuned)
   trainer = SparseCoreTrainer.build(
     jax.random.key(2), model, optax.adam(1e-3), loss_fn
   )
