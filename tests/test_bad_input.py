@@ -145,9 +145,11 @@ def test_bad_input_raises_and_changes_nothing(embed, case):
 
 
 def test_limits_exceeded_with_dropping_is_allowed(embed):
-  inputs, stats = embed.preprocess(
-    {"words": _one_partition()}, allow_id_dropping=True
-  )
+  # Dropping is never silent: the warning names the stack and the limit.
+  with pytest.warns(UserWarning, match="stack 'words'.*ids were dropped"):
+    inputs, stats = embed.preprocess(
+      {"words": _one_partition()}, allow_id_dropping=True
+    )
   assert stats.id_drop_counters["words"] > 0
 
 
