@@ -48,7 +48,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pz_sparsecore import buffer_format, kernels
+from pz_sparsecore import buffer_format, kernels, row_exchange
+from pz_sparsecore import exchange as exchange_lib
 from pz_sparsecore.kernels import contract, reference
 from pz_sparsecore.plan import Plan, StackPlan
 from pz_sparsecore.preprocess import PreprocessedInput
@@ -60,13 +61,24 @@ class TableGradientError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-  """A mesh, the axis tables are sharded over, and SparseCores per device."""
+  """A mesh, the axis tables are sharded over, and SparseCores per device.
+
+  Attributes:
+    mesh: The device mesh.
+    axis: The mesh axis tables and batches are sharded over.
+    num_sc_per_device: S, (virtual) SparseCores per device.
+    exchange: How lookups cross devices (`pz_sparsecore.exchange`):
+      `"auto"` (per stack, the mode with fewer predicted bytes),
+      `"activations"` or `"rows"`.
+  """
 
   mesh: Mesh
   axis: str
   num_sc_per_device: int
+  exchange: str = exchange_lib.AUTO
 
   def __post_init__(self):
+    exchange_lib.check_mode(self.exchange)
     if self.axis not in self.mesh.axis_names:
       raise ValueError(
         f"sharding axis {self.axis!r} is not an axis of the mesh "
@@ -83,6 +95,19 @@ class Topology:
   def num_shards(self) -> int:
     """N = G x S."""
     return self.num_devices * self.num_sc_per_device
+
+  def exchange_of(self, stack: StackPlan) -> exchange_lib.Exchange:
+    """The exchange `stack` uses on this topology, and why."""
+    spec = stack.spec
+    return exchange_lib.choose(
+      self.exchange,
+      num_devices=self.num_devices,
+      num_sc_per_device=self.num_sc_per_device,
+      samples_per_sc=stack.samples_per_sc,
+      dim=stack.dim,
+      max_ids_per_partition=spec.max_ids_per_partition,
+      max_unique_ids_per_partition=spec.max_unique_ids_per_partition,
+    )
 
   def sharding(self, ndim: int) -> NamedSharding:
     """Leading axis over the sharding axis, the rest replicated."""
@@ -133,26 +158,36 @@ def _kernel_shape(stack: StackPlan, topo: Topology) -> dict[str, int]:
   )
 
 
-def _buffers(stack: StackPlan, topo: Topology, inputs: PreprocessedInput):
-  """The stack's buffers as the local kernel reads them (routed if G > 1)."""
-  buffers = (
+def _local_buffers(stack: StackPlan, inputs: PreprocessedInput):
+  """The stack's buffers of the local batch."""
+  return (
     inputs.lhs_row_pointers[stack.name],
     inputs.lhs_embedding_ids[stack.name],
     inputs.lhs_sample_ids[stack.name],
     inputs.lhs_gains[stack.name],
   )
+
+
+def _buffers(stack: StackPlan, topo: Topology, inputs: PreprocessedInput):
+  """The stack's buffers as the local kernel reads them (routed if G > 1)."""
+  buffers = _local_buffers(stack, inputs)
   if topo.num_devices == 1:
     return buffers
   return _route(stack, topo, *buffers)
 
 
 def _local_lookup(stack: StackPlan, topo: Topology, table, inputs):
-  s, b = topo.num_sc_per_device, stack.samples_per_sc
-  acts = kernels.sparse_dense_matmul(
-    *_buffers(stack, topo, inputs), table, **_kernel_shape(stack, topo)
-  )
-  if topo.num_devices > 1:
-    partial = acts.reshape(topo.num_devices, s * b, stack.dim)
+  g, s, b = topo.num_devices, topo.num_sc_per_device, stack.samples_per_sc
+  if topo.exchange_of(stack).mode == exchange_lib.ROWS:
+    acts = row_exchange.lookup(
+      stack, g, s, topo.axis, table, *_local_buffers(stack, inputs)
+    )
+  else:
+    acts = kernels.sparse_dense_matmul(
+      *_buffers(stack, topo, inputs), table, **_kernel_shape(stack, topo)
+    )
+  if topo.exchange_of(stack).mode == exchange_lib.ACTIVATIONS:
+    partial = acts.reshape(g, s * b, stack.dim)
     acts = jax.lax.all_to_all(partial, topo.axis, 0, 0, tiled=True).sum(0)
   acts = acts.reshape(s, b, stack.dim)
   return {
@@ -179,10 +214,7 @@ def _local_update(
     grad = grads[f.name].reshape(s, f.samples_per_sc, f.dim)
     parts.append(jnp.pad(grad, ((0, 0), (0, 0), (0, stack.dim - f.dim))))
   stacked = jnp.concatenate(parts, axis=1).reshape(-1, stack.dim)
-  if topo.num_devices > 1:
-    stacked = jax.lax.all_gather(stacked, topo.axis, axis=0, tiled=True)
-  buffers = _buffers(stack, topo, inputs)
-  shape = _kernel_shape(stack, topo)
+  stacked, buffers, shape = _owner_operands(stack, topo, inputs, stacked)
   slots = tuple(slots)
   if guard:
     rows = _referenced_rows(buffers, table, shape)
@@ -212,6 +244,26 @@ def _local_update(
   )
   bad = jax.lax.psum(jnp.int32(~finite), topo.axis)
   return new_table, new_slots, (rows, *old, bad == 0)
+
+
+def _owner_operands(stack: StackPlan, topo: Topology, inputs, grad):
+  """The fused update's gradient, buffers and sizes on the owner.
+
+  `grad` is the `[S * B_sc, D]` gradient of the local activations.
+  """
+  mode = topo.exchange_of(stack).mode
+  if mode == exchange_lib.ROWS:
+    return row_exchange.owner_operands(
+      stack,
+      topo.num_devices,
+      topo.num_sc_per_device,
+      topo.axis,
+      *_local_buffers(stack, inputs),
+      grad,
+    )
+  if mode == exchange_lib.ACTIVATIONS:
+    grad = jax.lax.all_gather(grad, topo.axis, axis=0, tiled=True)
+  return grad, _buffers(stack, topo, inputs), _kernel_shape(stack, topo)
 
 
 def _zero_depending_on(values) -> jax.Array:

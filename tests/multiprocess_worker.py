@@ -1,7 +1,7 @@
 """One process of a multi-process training run (launched by the tests).
 
 Usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR
-  [DEVICES_PER_PROCESS]
+  [DEVICES_PER_PROCESS [EXCHANGE]]
 
 Every process builds the same model on a mesh over all global devices,
 preprocesses only its own share of each global batch, trains a few steps and
@@ -21,6 +21,7 @@ def main() -> None:
   process_id, num_processes, port = map(int, sys.argv[1:4])
   out_dir = sys.argv[4]
   per_process = int(sys.argv[5]) if len(sys.argv) > 5 else 4
+  exchange = sys.argv[6] if len(sys.argv) > 6 else "auto"
   os.environ["XLA_FLAGS"] = (
     f"--xla_force_host_platform_device_count={per_process}"
   )
@@ -54,8 +55,13 @@ def main() -> None:
     embedding_dim=16,
     hidden=32,
     optimizer=pzsc.AdagradOptimizerSpec(learning_rate=0.3),
+    exchange=exchange,
   )
   model = build(jax.random.key(0))
+  stack = model.embed.config.plan.stacks[0]
+  used = model.embed.config.topology.exchange_of(stack).mode
+  if exchange != "auto" and used != exchange:
+    raise SystemExit(f"asked for the {exchange} exchange, got {used}")
   replicated = NamedSharding(mesh, P())
   for param in pz.unbind_params(model.body)[1]:
     param.value = jax.tree.map(

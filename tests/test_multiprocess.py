@@ -26,7 +26,9 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _launch(out_dir, num_processes: int, devices: int) -> None:
+def _launch(
+  out_dir, num_processes: int, devices: int, exchange: str = "activations"
+) -> None:
   port = _free_port()
   procs = [
     subprocess.Popen(
@@ -38,6 +40,7 @@ def _launch(out_dir, num_processes: int, devices: int) -> None:
         str(port),
         str(out_dir),
         str(devices),
+        exchange,
       ],
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
@@ -61,15 +64,20 @@ def _launch(out_dir, num_processes: int, devices: int) -> None:
 def runs(tmp_path_factory):
   single = tmp_path_factory.mktemp("single")
   multi = tmp_path_factory.mktemp("multi")
+  multi_rows = tmp_path_factory.mktemp("multi_rows")
   _launch(single, 1, 8)
   _launch(multi, 2, 4)
-  return single, multi
+  _launch(multi_rows, 2, 4, "rows")
+  return single, multi, multi_rows
 
 
-def test_losses_and_tables_match_one_process(runs):
-  single, multi = runs
+@pytest.mark.parametrize("exchange", ["activations", "rows"])
+def test_losses_and_tables_match_one_process(runs, exchange):
+  single, multi, multi_rows = runs
   a = np.load(single / "result.npz")
-  b = np.load(multi / "result.npz")
+  b = np.load(
+    (multi if exchange == "activations" else multi_rows) / "result.npz"
+  )
   np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-5)
   np.testing.assert_allclose(a["table"], b["table"], rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(
@@ -79,7 +87,7 @@ def test_losses_and_tables_match_one_process(runs):
 
 
 def test_fdo_merges_both_processes(runs):
-  _, multi = runs
+  _, multi, _ = runs
   loaded = pzsc.NPZFileFDOClient(multi / "fdo", run_id="mp-test").load()
   local = [np.load(multi / f"stats_{i}.npz") for i in range(2)]
   for field in ("max_ids_per_partition", "max_unique_ids_per_partition"):
@@ -94,7 +102,7 @@ def test_checkpoint_from_two_processes_restores_on_one(runs):
 
   from pz_sparsecore.models import shakespeare
 
-  _, multi = runs
+  _, multi, _ = runs
   (step,) = os.listdir(multi / "ckpt")
   # Each process wrote its own shards.
   arrays = sorted(os.listdir(multi / "ckpt" / step / "arrays"))

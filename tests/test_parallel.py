@@ -175,12 +175,20 @@ TOPOLOGIES = [
   ((4, 2), 1),
   ((4, 2), 2),
 ]
+# Every multi-device topology with both exchanges (one device: "local").
+CASES = [
+  (mesh, s, mode)
+  for mesh, s in TOPOLOGIES
+  for mode in (("auto",) if mesh[0] == 1 else ("activations", "rows"))
+]
 
 
 @pytest.mark.parametrize(
-  "mesh_shape,num_sc", TOPOLOGIES, ids=[f"{m}x{s}" for m, s in TOPOLOGIES]
+  "mesh_shape,num_sc,exchange",
+  CASES,
+  ids=[f"{m}x{s}-{e}" for m, s, e in CASES],
 )
-def test_forward_matches_dense_reference(mesh_shape, num_sc):
+def test_forward_matches_dense_reference(mesh_shape, num_sc, exchange):
   mesh = _mesh(mesh_shape)
   g = mesh_shape[0]
   embed = SparseCoreEmbed.from_config(
@@ -190,7 +198,12 @@ def test_forward_matches_dense_reference(mesh_shape, num_sc):
     mesh,
     num_sc_per_device=num_sc,
     feature_axes={"f_seq": ("batch", "seq")},
+    exchange=exchange,
   )
+  topology = embed.config.topology
+  for stack in embed.config.plan.stacks:
+    expected = "local" if g == 1 else exchange
+    assert topology.exchange_of(stack).mode == expected
   # The stacked pair really shares one stack, with rotation.
   assert set(embed.tables) == {"t_sum", "t_mean", "t_sqrtn", "stk", "t_seq"}
   stack_specs = layout.get_table_specs(embed.config.plan.feature_specs)

@@ -365,13 +365,16 @@ def mesh_of(g: int) -> Mesh:
   return Mesh(np.array(jax.devices()[:g]), ("device",))
 
 
-def build_model(g: int, s: int, tables=TABLES, seed: int = 0) -> ProbeModel:
+def build_model(
+  g: int, s: int, tables=TABLES, seed: int = 0, exchange: str = "auto"
+) -> ProbeModel:
   embed = SparseCoreEmbed.from_config(
     "emb",
     jax.random.key(seed),
     feature_specs(g, s, tables),
     mesh_of(g),
     num_sc_per_device=s,
+    exchange=exchange,
   )
   pzsc.set_logical_tables(embed, initial_tables(11, tables))
   return ProbeModel(
@@ -383,9 +386,22 @@ def snapshot(embed):
   return pzsc.logical_tables(embed), pzsc.logical_slots(embed)
 
 
-@pytest.mark.parametrize("g,s", [(1, 1), (8, 1), (4, 2)])
-def test_trainer_matches_numpy_optimizers(g, s):
-  model = build_model(g, s)
+@pytest.mark.parametrize(
+  "g,s,exchange",
+  [
+    (1, 1, "auto"),
+    (8, 1, "activations"),
+    (8, 1, "rows"),
+    (4, 2, "activations"),
+    (4, 2, "rows"),
+    (2, 1, "rows"),
+  ],
+)
+def test_trainer_matches_numpy_optimizers(g, s, exchange):
+  model = build_model(g, s, exchange=exchange)
+  stacks = model.embed.config.plan.stacks
+  modes = {model.embed.config.topology.exchange_of(x).mode for x in stacks}
+  assert modes == {"local" if g == 1 else exchange}
   assert pz.select(model).at_instances_of(SparseCoreEmbed).count() == 1
   ref = Reference(initial_tables(11))
   # Fresh slots hold the optimizers' initial values.

@@ -103,10 +103,12 @@ def build_model(
   optimizer: specs.OptimizerSpec | None = None,
   num_sc_per_device: int = 1,
   sharding_axis: str = "device",
+  exchange: str = "auto",
 ) -> NextWordModel:
   """Builds the model with its table sharded over `mesh`.
 
-  `rng=None` gives variable slots, to be filled by `restore_checkpoint`.
+  `rng=None` gives variable slots, to be filled by `restore_checkpoint`;
+  `exchange` is `SparseCoreEmbed.from_config`'s.
   """
   embed_rng, dense_rng = (None, None) if rng is None else jax.random.split(rng)
   logits_rng = None if rng is None else jax.random.fold_in(dense_rng, 1)
@@ -124,6 +126,7 @@ def build_model(
     sharding_axis=sharding_axis,
     num_sc_per_device=num_sc_per_device,
     feature_axes=("batch", "seq"),
+    exchange=exchange,
   )
   body = pz.nn.Sequential(
     [

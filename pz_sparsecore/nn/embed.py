@@ -272,6 +272,7 @@ class SparseCoreEmbed(pz.nn.Layer):
     num_sc_per_device: int = 1,
     feature_axes: Any = None,
     embedding_axis: str = "embedding",
+    exchange: str = "auto",
   ) -> SparseCoreEmbed:
     """Builds the layer and its (sharded) variables.
 
@@ -288,6 +289,9 @@ class SparseCoreEmbed(pz.nn.Layer):
       feature_axes: Sample axis names: None (`("batch",)` for every
         feature), one tuple for all features, or a dict feature → tuple.
       embedding_axis: Name of the embedding axis.
+      exchange: How lookups cross devices: `"auto"` (per stack, the mode
+        with fewer predicted bytes per device), `"activations"` or `"rows"`
+        (see `pz_sparsecore.exchange`).
 
     Returns:
       A new `SparseCoreEmbed`.
@@ -297,7 +301,9 @@ class SparseCoreEmbed(pz.nn.Layer):
     """
     if not isinstance(mesh, Mesh):
       raise ValueError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
-    topology = parallel.Topology(mesh, sharding_axis, num_sc_per_device)
+    topology = parallel.Topology(
+      mesh, sharding_axis, num_sc_per_device, exchange
+    )
     config = _make_config(
       name, feature_specs, topology, feature_axes, embedding_axis
     )
