@@ -123,8 +123,14 @@ def plan_details(plan: Plan) -> list[str]:
 
 
 def embed_details(embed: Any) -> list[str]:
-  """The stacks of a `SparseCoreEmbed`, as `stack_details` lines."""
-  return plan_details(embed.config.plan)
+  """The stacks of a `SparseCoreEmbed`: `stack_details` lines, each stack
+  followed by the exchange it uses on the layer's topology and why."""
+  plan, topology = embed.config.plan, embed.config.topology
+  lines = []
+  for stack in plan.stacks:
+    lines += stack_details(plan, stack)
+    lines.append(f"  exchange: {topology.exchange_of(stack).reason}")
+  return lines
 
 
 def spec_summary(spec: Any) -> str:

@@ -687,11 +687,12 @@ def test_step_updates_table_in_place_without_copies(g):
   assert not offenders, "\n".join(offenders)
 
 
-def test_check_finite_catches_overflowing_updates_and_recovers():
+@pytest.mark.parametrize("exchange", ["activations", "rows"])
+def test_check_finite_catches_overflowing_updates_and_recovers(exchange):
   """Finite loss and gradients whose squares overflow Adam's velocity: the
   step is refused with every row, slot and dense parameter as it was, and
   the next step with sane gradients trains."""
-  model = build_model(4, 2, SMALL)
+  model = build_model(4, 2, SMALL, exchange=exchange)
   grads = {k: jnp.asarray(v) for k, v in act_grads(0, SMALL).items()}
   huge = {k: v * 1e25 if k == "f_adam" else v for k, v in grads.items()}
   trainer = SparseCoreTrainer.build(
@@ -711,7 +712,10 @@ def test_check_finite_catches_overflowing_updates_and_recovers():
   np.testing.assert_array_equal(np.asarray(trainer.model.w.value), w_before)
   # The next action: a sane step trains, as an unguarded trainer would.
   plain = SparseCoreTrainer.build(
-    jax.random.key(0), build_model(4, 2, SMALL), optax.sgd(0.1), loss_fn
+    jax.random.key(0),
+    build_model(4, 2, SMALL, exchange=exchange),
+    optax.sgd(0.1),
+    loss_fn,
   )
   # The refused step still counted (Adam's bias correction reads it).
   assert int(trainer.state.value.step) == 1
