@@ -42,9 +42,11 @@ def one_feature(
   input_shape: tuple[int, int],
   optimizer: pzsc.OptimizerSpec,
   id_batches: list[Any],
+  exchange: str = "auto",
 ) -> pzsc.SparseCoreEmbed:
   """One feature "ids" (sum combiner) over a `[vocab, dim]` table on all
-  devices, its limits `tuned` to `id_batches` (arrays of `input_shape`)."""
+  devices, its limits `tuned` to `id_batches` (arrays of `input_shape`),
+  crossing devices by `exchange`."""
   table = pzsc.TableSpec(
     name="table",
     vocabulary_size=vocab,
@@ -63,6 +65,6 @@ def one_feature(
   )
   mesh = Mesh(np.array(jax.devices()), ("device",))
   embed = pzsc.SparseCoreEmbed.from_config(
-    "embed", jax.random.key(0), {"ids": feature}, mesh
+    "embed", jax.random.key(0), {"ids": feature}, mesh, exchange=exchange
   )
   return tuned(embed, ({"ids": ids} for ids in id_batches))

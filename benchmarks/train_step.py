@@ -13,6 +13,10 @@ squared-error loss, on 8 virtual CPU devices.
   ``EmbeddingLookup`` trained with ``optax.adam`` on the dense gradient (a
   hand-written jitted step with donation; table rows sharded over the
   devices like ours). Speed-up goal >= 20x.
+* (c) vocab 2**20 with Adagrad, once with each exchange forced
+  (``exchange="activations"`` and ``"rows"``): step times side by side with
+  each exchange's predicted collective bytes per device per step
+  (``pz_sparsecore.exchange``), and which one ``"auto"`` picks.
 
 Each configuration runs in its own subprocess. Step time: median of 20 steps
 after 3 warm-up steps, preprocessing excluded (batches are preprocessed
@@ -75,7 +79,7 @@ def _batches(vocab: int):
   ]
 
 
-def _run_ours(vocab: int, optimizer: str):
+def _run_ours(vocab: int, optimizer: str, exchange: str = "auto"):
   import _embeds
   import jax
   import jax.numpy as jnp
@@ -92,8 +96,9 @@ def _run_ours(vocab: int, optimizer: str):
   }[optimizer]
   data = _batches(vocab)
   embed = _embeds.one_feature(
-    vocab, DIM, (BATCH, IDS), opt, [ids for ids, _ in data]
+    vocab, DIM, (BATCH, IDS), opt, [ids for ids, _ in data], exchange
   )
+  chosen = embed.config.topology.exchange_of(embed.config.plan.stacks[0])
 
   @pz.pytree_dataclass
   class Model(pz.nn.Layer):
@@ -132,7 +137,11 @@ def _run_ours(vocab: int, optimizer: str):
     aux = trainer.step(inputs=inputs, targets=targets)
     return aux["loss"]
 
-  return step
+  return step, {
+    "mode": chosen.mode,
+    "step_bytes": getattr(chosen, chosen.mode).step,
+    "reason": chosen.reason,
+  }
 
 
 def _run_penzai(vocab: int):
@@ -211,12 +220,15 @@ def _run_penzai(vocab: int):
   return step
 
 
-def _child(impl: str, vocab: int, optimizer: str) -> None:
+def _child(impl: str, vocab: int, optimizer: str, exchange: str) -> None:
   import resource
 
   import jax
 
-  step = _run_ours(vocab, optimizer) if impl == "ours" else _run_penzai(vocab)
+  if impl == "ours":
+    step, info = _run_ours(vocab, optimizer, exchange)
+  else:
+    step, info = _run_penzai(vocab), {}
   for i in range(WARMUP):
     jax.block_until_ready(step(i))
   rss_after_init = _proc_status("VmRSS")
@@ -232,13 +244,17 @@ def _child(impl: str, vocab: int, optimizer: str) -> None:
     "rss_after_init": rss_after_init,
     "peak_delta": None if peak is None else max(peak - rss_after_init, 0),
     "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    **info,
   }
   print("RESULT " + json.dumps(result))
 
 
-def _measure(impl: str, vocab: int, optimizer: str) -> dict:
+def _measure(
+  impl: str, vocab: int, optimizer: str, exchange: str = "auto"
+) -> dict:
   out = subprocess.run(
-    [sys.executable, __file__, "--child", impl, str(vocab), optimizer],
+    [sys.executable, __file__, "--child", impl, str(vocab), optimizer]
+    + [exchange],
     env=dict(os.environ),
     capture_output=True,
     text=True,
@@ -301,10 +317,39 @@ def main() -> None:
       f"{_mib(r['peak_rss']):>10}  {ratio}"
     )
   print("\n".join(lines))
+  print()
+  print("\n".join(_exchange_table()))
+
+
+def _exchange_table() -> list[str]:
+  """Part (c): the same step with each exchange forced."""
+  results = {}
+  for mode in ("activations", "rows", "auto"):
+    print(f"measuring exchange {mode} ...", file=sys.stderr)
+    results[mode] = _measure("ours", 2**20, "adagrad", mode)
+  header = (
+    f"{'part':<4} {'exchange':<12} {'step ms':>9} {'KB/device/step':>15}  ratio"
+  )
+  lines = [
+    f"(c) exchanges: vocab 2**20, adagrad, 8 devices, local batch "
+    f"{BATCH // 8} x {IDS} ids; auto picks "
+    f"{results['auto']['mode']} ({results['auto']['reason']})",
+    header,
+    "-" * len(header),
+  ]
+  base = results["activations"]["median_s"]
+  for mode in ("activations", "rows"):
+    r = results[mode]
+    lines.append(
+      f"{'c':<4} {mode:<12} {r['median_s'] * 1e3:9.2f} "
+      f"{r['step_bytes'] / 1000:15,.1f}  "
+      f"{r['median_s'] / base:.2f}x activations' time"
+    )
+  return lines
 
 
 if __name__ == "__main__":
   if len(sys.argv) > 1 and sys.argv[1] == "--child":
-    _child(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    _child(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
   else:
     main()

@@ -573,3 +573,54 @@ def _check_topology(plan: Plan, topology: Topology) -> None:
       f"{plan.num_sc_per_device} SparseCores, the topology has "
       f"{counts[0]} x {counts[1]}"
     )
+
+
+def compiled_exchange_bytes(
+  plan: Plan,
+  topology: Topology,
+  tables: dict[str, jax.Array],
+  inputs: PreprocessedInput,
+) -> dict[str, int]:
+  """Collective bytes per device of the compiled lookup, update and step.
+
+  Compiles (without running) a lookup, an `apply_gradients` call with SGD
+  slots left empty, and a train step doing both in one jit (gradients made
+  from the activations, so XLA keeps every collective), and counts their
+  collectives with `exchange.compiled_bytes`. Meant for checking
+  `exchange.predict_bytes` on layers whose stacks all use SGD.
+
+  Args:
+    plan: The plan of the layer's specs on the topology.
+    topology: Mesh, sharding axis, SparseCores per device, exchange.
+    tables: Stack name → `[N, V_shard, D]`.
+    inputs: Buffers for the tables.
+
+  Returns:
+    `{"lookup": ..., "update": ..., "step": ...}` in bytes per device.
+  """
+  slots = {name: () for name in tables}
+
+  def look(tables, inputs):
+    return lookup(plan, topology, tables, inputs)
+
+  def update(tables, inputs, grads):
+    return apply_gradients(plan, topology, tables, slots, inputs, grads, 0)
+
+  def step(tables, inputs):
+    acts = look(tables, inputs)
+    return update(tables, inputs, {k: 2.0 * v for k, v in acts.items()})
+
+  grads = jax.eval_shape(look, tables, inputs)
+  calls = {
+    "lookup": (look, (tables, inputs)),
+    "update": (update, (tables, inputs, grads)),
+    "step": (step, (tables, inputs)),
+  }
+  return {
+    name: sum(
+      exchange_lib.compiled_bytes(
+        jax.jit(fn).lower(*args).compile().as_text()
+      ).values()
+    )
+    for name, (fn, args) in calls.items()
+  }

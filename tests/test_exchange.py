@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
@@ -68,32 +67,9 @@ def _compiled(g: int, s: int, mode: str):
   """(predicted `Exchange`, compiled bytes of lookup, update and step)."""
   embed, inputs = _layer(g, s, mode)
   plan, topo = embed.config.plan, embed.config.topology
-  tables = table_arrays(embed)
-  slots = {name: () for name in tables}
-
-  def lookup(tables, inputs):
-    return parallel.lookup(plan, topo, tables, inputs)
-
-  def update(tables, inputs, grads):
-    return parallel.apply_gradients(plan, topo, tables, slots, inputs, grads, 0)
-
-  def step(tables, inputs):
-    acts = lookup(tables, inputs)
-    return update(tables, inputs, {k: 2.0 * v for k, v in acts.items()})
-
-  grads = {"ids": jnp.ones((LOCAL_BATCH * g, DIM), jnp.float32)}
-  measured = {
-    name: sum(
-      exchange.compiled_bytes(
-        jax.jit(fn).lower(*args).compile().as_text()
-      ).values()
-    )
-    for name, fn, args in (
-      ("lookup", lookup, (tables, inputs)),
-      ("update", update, (tables, inputs, grads)),
-      ("step", step, (tables, inputs)),
-    )
-  }
+  measured = parallel.compiled_exchange_bytes(
+    plan, topo, table_arrays(embed), inputs
+  )
   return topo.exchange_of(plan.stacks[0]), measured
 
 
