@@ -62,7 +62,7 @@ def _layer(g: int, s: int, mode: str, ids_per_sample: int = IDS):
   return embed, embed.preprocess({"ids": ids})[0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(g: int, s: int, mode: str):
   """(predicted `Exchange`, compiled bytes of lookup, update and step)."""
   embed, inputs = _layer(g, s, mode)
