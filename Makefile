@@ -69,6 +69,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/preprocess.py
 	$(PY) benchmarks/kernels.py
 	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/exchange_bytes.py
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/jit_paths.py
 

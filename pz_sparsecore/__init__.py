@@ -63,6 +63,8 @@ _EXPORTS = {
   "backend_info": "kernels.backend",
   "Topology": "parallel",
   "TableGradientError": "parallel",
+  "predict_exchange_bytes": "exchange",
+  "ExchangeBytes": "exchange",
   # penzai side
   "SparseCoreEmbed": "nn.embed",
   "SparseCoreTrainer": "nn.training",
@@ -81,7 +83,7 @@ _EXPORTS = {
   "PrefetchError": "pipeline",
 }
 
-_RENAMED = {"build_plan": "build"}
+_RENAMED = {"build_plan": "build", "predict_exchange_bytes": "predict_bytes"}
 
 __all__ = sorted(_EXPORTS)
 

@@ -7,6 +7,12 @@ slice of the batch, preprocessed into S segments of CSR-wrapped COO buffers
 whose partitions `p` are in order, so the entries for the S partitions owned
 by device `q` are contiguous in every segment.
 
+How ids and values cross devices is the stack's *exchange*
+(`pz_sparsecore.exchange` prices both and picks one per stack;
+`Topology.exchange` can force either). The *row exchange* sends the distinct
+rows each device asks for (`pz_sparsecore.row_exchange`); the *activation
+exchange*, described here, sends partial activations:
+
 Forward, per device, under `shard_map`:
 
 1. *Route.* In each of its S segments the device cuts, for every owner `q`,
@@ -24,10 +30,12 @@ Forward, per device, under `shard_map`:
 
 Backward (the fused update), per device: the activation gradients of every
 device are gathered (`all_gather`, `[G*S*B_sc, D]`, the same order as the
-received windows), the windows are routed again, and the FFI backward sums
-every referenced row's gradient over all windows and applies the optimizer
-once to the row and its slots, in place. The full table never leaves its
-devices; a step moves O(ids + batch x dim x G) values.
+received windows; every owner needs every source's gradients, so an
+`all_to_all` would move the same bytes), the windows are routed again, and
+the FFI backward sums every referenced row's gradient over all windows and
+applies the optimizer once to the row and its slots, in place. The full
+table never leaves its devices; a step moves O(ids + batch x dim x G)
+values, which is why the row exchange exists.
 
 With one device all of this collapses to one local kernel call.
 
