@@ -15,13 +15,16 @@ entry and names it:
 * ids not sorted inside their partition;
 * sample ids outside `[0, samples per SparseCore)`;
 * gains that are NaN or infinite;
-* more entries for one owner device than its routing window holds.
+* more entries for one owner device than its routing window holds (stacks
+  on the activation exchange), or more distinct rows in one partition than
+  the row exchange's window holds (stacks on the row exchange).
 
 It reads only this process's shards, one device at a time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import jax
@@ -32,13 +35,19 @@ from pz_sparsecore.plan import FeaturePlan, Plan, StackPlan
 from pz_sparsecore.preprocess import PreprocessedInput
 
 
-def validate_input(plan: Plan, inputs: PreprocessedInput) -> None:
+def validate_input(
+  plan: Plan,
+  inputs: PreprocessedInput,
+  row_exchange_stacks: Collection[str] = (),
+) -> None:
   """Raises `ValueError` naming the first entry the kernels would not use.
 
   Args:
     plan: The layer's plan (`embed.config.plan`).
     inputs: Buffers shaped as `preprocess` returns them (global arrays,
       or host arrays holding every device's blocks in device order).
+    row_exchange_stacks: The stacks that cross devices by the row exchange
+      (the others by the activation exchange).
 
   Raises:
     ValueError: Naming the feature (or the stack's features), the device,
@@ -63,6 +72,7 @@ def validate_input(plan: Plan, inputs: PreprocessedInput) -> None:
         _Segment(
           stack,
           plan,
+          stack.name in row_exchange_stacks,
           f"device {device}, SparseCore {sc}",
           rp.reshape(s, -1)[sc],
           ids.reshape(s, -1)[sc],
@@ -90,8 +100,10 @@ def _device_blocks(value: Any, num_devices: int):
 class _Segment:
   """One SparseCore's segment of one stack on one device."""
 
-  def __init__(self, stack: StackPlan, plan: Plan, where: str, *buffers):
-    self.stack, self.plan, self.where = stack, plan, where
+  def __init__(
+    self, stack: StackPlan, plan: Plan, rows: bool, where: str, *buffers
+  ):
+    self.stack, self.plan, self.rows, self.where = stack, plan, rows, where
     self.rp, self.ids, self.sids, self.gains = buffers
     self.num_shards = plan.num_devices * plan.num_sc_per_device
 
@@ -130,7 +142,7 @@ class _Segment:
 
   def check_windows(self, starts: np.ndarray, ends: np.ndarray) -> None:
     """Each owner device's partitions fit the routing window."""
-    if self.plan.num_devices == 1:
+    if self.plan.num_devices == 1 or self.rows:
       return
     s, window = self.plan.num_sc_per_device, self.stack.window
     for owner in range(self.plan.num_devices):
@@ -182,6 +194,21 @@ class _Segment:
         f"embedding_ids are not sorted in the partition: "
         f"embedding_ids[{begin + j}] = {ids[j]} < "
         f"embedding_ids[{begin + j - 1}] = {ids[j - 1]}",
+      )
+    if self.rows and self.plan.num_devices > 1:
+      self.check_distinct(p, ids)
+
+  def check_distinct(self, p: int, ids: np.ndarray) -> None:
+    """The partition's distinct rows fit the row exchange's window."""
+    cap = buffer_format.round_up(self.stack.spec.max_unique_ids_per_partition)
+    distinct = int(np.count_nonzero(np.diff(ids))) + 1
+    if distinct > cap:
+      self.fail(
+        self.stack_features,
+        p,
+        f"{distinct} distinct rows, more than the row exchange's window of "
+        f"{cap} (r8(max_unique_ids_per_partition)); raise "
+        "max_unique_ids_per_partition or preprocess with preprocess()",
       )
 
   def check_rows(

@@ -181,6 +181,51 @@ def test_window_overflow_is_named():
     embed.validate(bad)
 
 
+def _row_exchange_layer():
+  """One table on 2 devices by the row exchange, 8 distinct rows a window."""
+  table = pzsc.TableSpec(
+    name="t",
+    vocabulary_size=1000,
+    embedding_dim=8,
+    initializer=jax.nn.initializers.normal(1.0),
+    optimizer=pzsc.SGDOptimizerSpec(learning_rate=0.1),
+    combiner="sum",
+    max_ids_per_partition=64,
+    max_unique_ids_per_partition=8,
+  )
+  feature = pzsc.FeatureSpec(
+    name="f", table_spec=table, input_shape=(64, 1), output_shape=(64, 8)
+  )
+  mesh = Mesh(np.array(jax.devices()[:2]), ("device",))
+  return SparseCoreEmbed.from_config(
+    "emb", jax.random.key(0), {"f": feature}, mesh, exchange="rows"
+  )
+
+
+def test_distinct_rows_past_the_row_window_are_named():
+  embed = _row_exchange_layer()
+  # Device 0's 32 samples ask partition 0 (even ids) for 8 distinct rows.
+  ids = np.tile(np.arange(16), 4).reshape(64, 1)
+  inputs, _ = embed.preprocess({"f": ids})
+  embed.validate(inputs)
+  host = _host(inputs)
+  begin, end = _first_partition(host, "t", embed.config.plan, 1)
+  local = host.lhs_embedding_ids["t"].copy()
+  assert len(np.unique(local[begin:end])) == 8
+  # A ninth distinct row, still sorted: the exchange has no room for it.
+  local[end - 1] = local[end - 2] + 1
+  bad = _with(inputs, "lhs_embedding_ids", "t", local)
+  with pytest.raises(ValueError, match="9 distinct rows, more than the row"):
+    embed.validate(bad)
+  # Unchecked, the row is skipped (never read out of bounds); the original
+  # batch then validates and looks up as before.
+  embed(bad, validate=False)
+  embed.validate(inputs)
+  expected = np.asarray(pzsc.logical_tables(embed)["t"])[ids[:, 0]]
+  out = embed(inputs)["f"].unwrap("batch", "embedding")
+  np.testing.assert_allclose(out, expected, rtol=1e-6)
+
+
 def test_validate_refuses_traced_buffers(layer):
   embed, inputs = layer
 

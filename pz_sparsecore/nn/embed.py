@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import Mesh
 from penzai import pz
 
+from pz_sparsecore import exchange as exchange_lib
 from pz_sparsecore import input_check, layout, parallel
 from pz_sparsecore import plan as plan_lib
 from pz_sparsecore.nn.probe import ActivationProbe
@@ -412,7 +413,12 @@ class SparseCoreEmbed(pz.nn.Layer):
         f"SparseCoreEmbed {config.name!r}: validate needs concrete buffers; "
         "call embed.validate(inputs) outside jit, before the jitted call"
       )
-    input_check.validate_input(config.plan, inputs)
+    rows = [
+      stack.name
+      for stack in config.plan.stacks
+      if config.topology.exchange_of(stack).mode == exchange_lib.ROWS
+    ]
+    input_check.validate_input(config.plan, inputs, rows)
 
   def apply_gradients(
     self,
