@@ -1,8 +1,8 @@
 """The row exchange: distinct rows cross devices, not partial activations.
 
 Per device, under `shard_map` over the sharding axis (`G` devices, `S`
-SparseCores each, `N = G * S` partitions, `cap = r8(max_unique_ids_per_
-partition)`, `Wu = S * cap`):
+SparseCores each, `N = G * S` partitions, `Wu = S * cap` with
+`cap = r8(max_unique_ids_per_partition)`):
 
 1. *Distinct rows.* In each local segment `k` the entries of a partition are
    sorted by row, so an entry starts a new distinct row when its row differs
@@ -10,7 +10,8 @@ partition)`, `Wu = S * cap`):
    partition `j = p % S`) keeps its first `cap` distinct rows; they are
    packed into the window of `(k, q)`, partition after partition, each
    starting at a multiple of 8, as the buffer format lays partitions out.
-   Every entry learns its slot: `k * Wu + ` its row's position in the window.
+   Every entry learns its slot `k * Wu + i`, `i` its row's place in the
+   window.
 2. *Forward.* The windows (`[G, S, Wu]` ids plus `[G, S, S]` row pointers)
    go to their owners in one `all_to_all`; the owner reads the rows with the
    forward kernel (gain 1, one "sample" per slot) and returns them
