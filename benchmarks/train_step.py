@@ -66,20 +66,22 @@ def _reset_peak() -> bool:
     return False
 
 
-def _batches(vocab: int):
+def _batches(vocab: int, ids: int = IDS):
   import numpy as np
 
   rng = np.random.RandomState(0)
   return [
     (
-      rng.randint(0, vocab, (BATCH, IDS)),
+      rng.randint(0, vocab, (BATCH, ids)),
       rng.normal(size=(BATCH, OUT)).astype(np.float32),
     )
     for _ in range(NUM_BATCHES)
   ]
 
 
-def _run_ours(vocab: int, optimizer: str, exchange: str = "auto"):
+def _run_ours(
+  vocab: int, optimizer: str, exchange: str = "auto", ids: int = IDS
+):
   import _embeds
   import jax
   import jax.numpy as jnp
@@ -94,9 +96,9 @@ def _run_ours(vocab: int, optimizer: str, exchange: str = "auto"):
     "adagrad": specs.AdagradOptimizerSpec(learning_rate=0.1),
     "adam": specs.AdamOptimizerSpec(learning_rate=0.01),
   }[optimizer]
-  data = _batches(vocab)
+  data = _batches(vocab, ids)
   embed = _embeds.one_feature(
-    vocab, DIM, (BATCH, IDS), opt, [ids for ids, _ in data], exchange
+    vocab, DIM, (BATCH, ids), opt, [x for x, _ in data], exchange
   )
   chosen = embed.config.topology.exchange_of(embed.config.plan.stacks[0])
 
@@ -220,13 +222,15 @@ def _run_penzai(vocab: int):
   return step
 
 
-def _child(impl: str, vocab: int, optimizer: str, exchange: str) -> None:
+def _child(
+  impl: str, vocab: int, optimizer: str, exchange: str, ids: int
+) -> None:
   import resource
 
   import jax
 
   if impl == "ours":
-    step, info = _run_ours(vocab, optimizer, exchange)
+    step, info = _run_ours(vocab, optimizer, exchange, ids)
   else:
     step, info = _run_penzai(vocab), {}
   for i in range(WARMUP):
@@ -250,11 +254,11 @@ def _child(impl: str, vocab: int, optimizer: str, exchange: str) -> None:
 
 
 def _measure(
-  impl: str, vocab: int, optimizer: str, exchange: str = "auto"
+  impl: str, vocab: int, optimizer: str, exchange: str = "auto", ids=IDS
 ) -> dict:
   out = subprocess.run(
     [sys.executable, __file__, "--child", impl, str(vocab), optimizer]
-    + [exchange],
+    + [exchange, str(ids)],
     env=dict(os.environ),
     capture_output=True,
     text=True,
@@ -323,33 +327,36 @@ def main() -> None:
 
 def _exchange_table() -> list[str]:
   """Part (c): the same step with each exchange forced."""
-  results = {}
-  for mode in ("activations", "rows", "auto"):
-    print(f"measuring exchange {mode} ...", file=sys.stderr)
-    results[mode] = _measure("ours", 2**20, "adagrad", mode)
   header = (
-    f"{'part':<4} {'exchange':<12} {'step ms':>9} {'KB/device/step':>15}  ratio"
+    f"{'part':<4} {'ids/sample':>10} {'exchange':<12} {'step ms':>9} "
+    f"{'KB/device/step':>15}  ratio"
   )
   lines = [
     f"(c) exchanges: vocab 2**20, adagrad, 8 devices, local batch "
-    f"{BATCH // 8} x {IDS} ids; auto picks "
-    f"{results['auto']['mode']} ({results['auto']['reason']})",
+    f"{BATCH // 8} samples",
     header,
     "-" * len(header),
   ]
-  base = results["activations"]["median_s"]
-  for mode in ("activations", "rows"):
-    r = results[mode]
-    lines.append(
-      f"{'c':<4} {mode:<12} {r['median_s'] * 1e3:9.2f} "
-      f"{r['step_bytes'] / 1000:15,.1f}  "
-      f"{r['median_s'] / base:.2f}x activations' time"
-    )
+  for ids in (IDS, 1):
+    results = {}
+    for mode in ("activations", "rows", "auto"):
+      print(f"measuring exchange {mode}, {ids} ids ...", file=sys.stderr)
+      results[mode] = _measure("ours", 2**20, "adagrad", mode, ids)
+    base = results["activations"]["median_s"]
+    for mode in ("activations", "rows"):
+      r = results[mode]
+      picked = " (auto)" if results["auto"]["mode"] == mode else ""
+      lines.append(
+        f"{'c':<4} {ids:>10} {mode:<12} {r['median_s'] * 1e3:9.2f} "
+        f"{r['step_bytes'] / 1000:15,.1f}  "
+        f"{r['median_s'] / base:.2f}x activations' time{picked}"
+      )
   return lines
 
 
 if __name__ == "__main__":
   if len(sys.argv) > 1 and sys.argv[1] == "--child":
-    _child(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    impl, vocab, optimizer, exchange, ids = sys.argv[2:7]
+    _child(impl, int(vocab), optimizer, exchange, int(ids))
   else:
     main()
