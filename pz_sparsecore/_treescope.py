@@ -122,11 +122,25 @@ def plan_details(plan: Plan) -> list[str]:
   return [line for stack in plan.stacks for line in stack_details(plan, stack)]
 
 
+def mapping_line(mapping: Any) -> str:
+  """Which named axis of the layer lives on which mesh axes."""
+  placed, replicated = [], []
+  for name, mesh_axes in mapping.names:
+    if not mesh_axes:
+      replicated.append(name)
+    else:
+      where = repr(mesh_axes[0]) if len(mesh_axes) == 1 else repr(mesh_axes)
+      placed.append(f"{name} -> {where}")
+  if replicated:
+    placed.append(f"{', '.join(replicated)} -> replicated")
+  return "mesh axes: " + "; ".join(placed)
+
+
 def embed_details(embed: Any) -> list[str]:
   """The stacks of a `SparseCoreEmbed`: `stack_details` lines, each stack
   followed by the exchange it uses on the layer's topology and why."""
   plan, topology = embed.config.plan, embed.config.topology
-  lines = []
+  lines = [mapping_line(embed.config.axis_mapping)]
   for stack in plan.stacks:
     lines += stack_details(plan, stack)
     lines.append(f"  exchange: {topology.exchange_of(stack).reason}")

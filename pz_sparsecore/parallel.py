@@ -49,11 +49,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pz_sparsecore import buffer_format, kernels, row_exchange
@@ -69,11 +70,15 @@ class TableGradientError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-  """A mesh, the axis tables are sharded over, and SparseCores per device.
+  """A mesh, the mesh axes tables are sharded over, SparseCores per device.
 
   Attributes:
-    mesh: The device mesh.
-    axis: The mesh axis tables and batches are sharded over.
+    mesh: The device mesh (Auto axes).
+    axis: The mesh axis, or axes, the tables' shard axis and the batches
+      are sharded over: a name, or a tuple of names (put in the mesh's
+      order; one name is kept as a plain string, as `PartitionSpec` and
+      the collectives take it). Shards go to devices in the mesh's order
+      over these axes; other mesh axes hold replicas.
     num_sc_per_device: S, (virtual) SparseCores per device.
     exchange: How lookups cross devices (`pz_sparsecore.exchange`):
       `"auto"` (per stack, the mode with fewer predicted bytes),
@@ -81,23 +86,30 @@ class Topology:
   """
 
   mesh: Mesh
-  axis: str
+  axis: str | tuple[str, ...]
   num_sc_per_device: int
   exchange: str = exchange_lib.AUTO
 
   def __post_init__(self):
     exchange_lib.check_mode(self.exchange)
-    if self.axis not in self.mesh.axis_names:
+    check_mesh(self.mesh)
+    axes = mesh_axes(self.mesh, self.axis, "the tables' shard axis")
+    if not axes:
       raise ValueError(
-        f"sharding axis {self.axis!r} is not an axis of the mesh "
-        f"{tuple(self.mesh.axis_names)}"
+        "the tables' shard axis must map to at least one mesh axis, got ()"
       )
+    object.__setattr__(self, "axis", axes[0] if len(axes) == 1 else axes)
     buffer_format.num_shards(self.num_devices, self.num_sc_per_device)
 
   @property
+  def axes(self) -> tuple[str, ...]:
+    """The mesh axes of the shard axis, in the mesh's order."""
+    return (self.axis,) if isinstance(self.axis, str) else self.axis
+
+  @property
   def num_devices(self) -> int:
-    """G: devices along the sharding axis."""
-    return int(self.mesh.shape[self.axis])
+    """G: devices over the shard axis's mesh axes."""
+    return math.prod(int(self.mesh.shape[a]) for a in self.axes)
 
   @property
   def num_shards(self) -> int:
@@ -118,8 +130,55 @@ class Topology:
     )
 
   def sharding(self, ndim: int) -> NamedSharding:
-    """Leading axis over the sharding axis, the rest replicated."""
+    """Leading axis over the shard axis's mesh axes, the rest replicated."""
     return NamedSharding(self.mesh, P(self.axis, *([None] * (ndim - 1))))
+
+
+def check_mesh(mesh: Mesh) -> None:
+  """Raises unless every axis of `mesh` is an Auto axis.
+
+  Raises:
+    ValueError: Naming the axes and how to build a mesh the layer can use.
+  """
+  types = getattr(mesh, "axis_types", None) or ()
+  other = [
+    f"{name!r} ({kind.name})"
+    for name, kind in zip(mesh.axis_names, types, strict=True)
+    if kind != AxisType.Auto
+  ]
+  if other:
+    raise ValueError(
+      f"mesh axes {', '.join(other)} are not Auto axes: the layer shards "
+      "with shard_map and named shardings over Auto axes. Build the mesh "
+      "with jax.sharding.Mesh(devices, names), or jax.make_mesh(shape, "
+      "names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))"
+    )
+
+
+def mesh_axes(mesh: Mesh, value: Any, what: str) -> tuple[str, ...]:
+  """`value` (None, a mesh axis name or a tuple of them) as a tuple of
+  mesh axes in the mesh's order.
+
+  Args:
+    mesh: The mesh.
+    value: What the user mapped a name to.
+    what: What is mapped, for messages (e.g. "feature 'f' axis 'batch'").
+
+  Raises:
+    ValueError: If a name is not an axis of the mesh, or repeated.
+  """
+  if value is None:
+    return ()
+  names = (value,) if isinstance(value, str) else tuple(value)
+  for name in names:
+    if name not in mesh.axis_names:
+      raise ValueError(
+        f"{what} maps to mesh axis {name!r}, which the mesh "
+        f"{tuple(mesh.axis_names)} lacks"
+      )
+  if len(set(names)) != len(names):
+    raise ValueError(f"{what} maps to mesh axes {names} with a repeat")
+  return tuple(sorted(names, key=list(mesh.axis_names).index))
 
 
 # ---------------------------------------------------------------------------

@@ -232,13 +232,24 @@ def _binned(
   return values, step
 
 
+def _device_axes(embed_or_specs: Any, g: int) -> list[tuple[str, int]]:
+  """The mesh axes the shards are laid over, with their sizes: a layer's
+  (its shard axis's mesh axes), else one "device" axis of `g`."""
+  if isinstance(embed_or_specs, _embed_class()):
+    topo = embed_or_specs.config.topology
+    return [(a, int(topo.mesh.shape[a])) for a in topo.axes]
+  return [("device", g)]
+
+
 def _shard_map_image(
   plan: plan_lib.Plan,
   stack: StackPlan,
   max_columns: int,
   pixels_per_cell: int,
+  device_axes: list[tuple[str, int]],
 ) -> Figure:
-  """The `[device, SparseCore] x row` image of one stack's owner tables."""
+  """The `[mesh axes..., SparseCore] x row` image of one stack's owner
+  tables, shards grouped by the mesh axes they live on."""
   g, s = plan.num_devices, plan.num_sc_per_device
   owner = _owner_index(stack, plan.num_shards)
   padding = len(stack.tables)
@@ -248,17 +259,19 @@ def _shard_map_image(
   row_label = "row in shard" + (f" (bins of {step})" if step > 1 else "")
   colormap = [TABLE_COLORS[k % len(TABLE_COLORS)] for k in range(padding)]
   colormap.append(PADDING_COLOR)
+  k = len(device_axes)
+  labels = {i: f"{name} ({size})" for i, (name, size) in enumerate(device_axes)}
   return treescope.render_array(
-    values.reshape(g, s, -1),
-    rows=[1, 0],
-    columns=[2],
+    values.reshape(*(size for _, size in device_axes), s, -1),
+    rows=[k, *reversed(range(k))],
+    columns=[k + 1],
     continuous=False,
     colormap=colormap,
     value_item_labels={
       **{k: t.name for k, t in enumerate(stack.tables)},
       padding: "padding",
     },
-    axis_labels={0: f"device ({g})", 1: f"SparseCore ({s})", 2: row_label},
+    axis_labels={**labels, k: f"SparseCore ({s})", k + 1: row_label},
     pixels_per_cell=pixels_per_cell,
   )
 
@@ -286,8 +299,9 @@ def shard_map_figure(
     pixels_per_cell: Cell size of the images.
 
   Returns:
-    A figure: per stack a heading, the `[device, SparseCore] x row` image and
-    the legend.
+    A figure: per stack a heading, the `[device, SparseCore] x row` image
+    (for a layer, the devices split into the mesh axes its tables are
+    sharded over, e.g. `data (2) x model (4)`) and the legend.
 
   Raises:
     ValueError: On an unknown stack or missing topology.
@@ -301,7 +315,13 @@ def shard_map_figure(
         f"stack {stack_plan.name!r}: {n} shards ({g} devices x {s} SC), "
         f"{stack_plan.rows_per_shard} rows/shard x {stack_plan.dim}"
       ),
-      _shard_map_image(plan, stack_plan, max_columns, pixels_per_cell),
+      _shard_map_image(
+        plan,
+        stack_plan,
+        max_columns,
+        pixels_per_cell,
+        _device_axes(embed_or_specs, g),
+      ),
       *_table_legend(stack_plan, n),
     ]
   return _lines(*parts)

@@ -196,6 +196,7 @@ def test_forward_matches_dense_reference(mesh_shape, num_sc, exchange):
     jax.random.key(0),
     _feature_specs(g, num_sc),
     mesh,
+    sharding_axis="device",
     num_sc_per_device=num_sc,
     feature_axes={"f_seq": ("batch", "seq")},
     exchange=exchange,
@@ -279,5 +280,5 @@ def test_lookup_entry_point_on_two_axis_mesh():
 
 
 def test_topology_rejects_unknown_axis():
-  with pytest.raises(ValueError, match="sharding axis"):
+  with pytest.raises(ValueError, match="mesh axis .model., which the mesh"):
     parallel.Topology(_mesh((2,)), "model", 1)

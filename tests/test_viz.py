@@ -105,6 +105,7 @@ SUMMARY = (
 DESCRIPTION = """\
 SparseCoreEmbed('emb': 2 features, stacks tb_ta[40 rows/shard x 8]; \
 4 devices x 1 SC on 'device')
+  mesh axes: sc_shard -> 'device'; batch -> 'device'; embedding -> replicated
   stack 'tb_ta': 4 shards x 40 rows x 8, adagrad(lr=0.1), sum, 32 samples, \
 limits ids 256 / unique 256
     tb: vocab 70 x 8, rows [0, 24) of each shard, rotation 0; features fb
@@ -353,8 +354,8 @@ def test_figures_accept_a_plan(embed):
   )
   assert viz.describe(plan).splitlines() == [
     "Plan(2 features, stacks tb_ta[40 rows/shard x 8]; 4 devices x 1 SC)",
-    # A plan has no mesh, so no exchange: the layer's last line.
-    *DESCRIPTION.splitlines()[1:-1],
+    # A plan has no mesh: no mapping, no exchange.
+    *DESCRIPTION.splitlines()[2:-1],
   ]
   assert int(viz.row_placement(plan, "ta", [13])["physical_row"][0]) == 107
   np.testing.assert_array_equal(

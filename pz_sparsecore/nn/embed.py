@@ -39,6 +39,7 @@ from penzai import pz
 from pz_sparsecore import exchange as exchange_lib
 from pz_sparsecore import input_check, layout, parallel
 from pz_sparsecore import plan as plan_lib
+from pz_sparsecore.nn import axis_mapping as axis_mapping_lib
 from pz_sparsecore.nn.probe import ActivationProbe
 from pz_sparsecore.nn.tables import (
   ROW_AXIS,
@@ -74,10 +75,11 @@ class EmbedConfig:
   Attributes:
     name: The layer's name (prefix of its variable labels).
     plan: The prepared feature specs laid out on the topology.
-    topology: Mesh, sharding axis and SparseCores per device.
+    topology: Mesh, the shard axis's mesh axes, SparseCores per device.
     feature_axes: Per feature (the plan's leaf order), the names of its
       sample axes.
     embedding_axis: Name of the embedding axis.
+    axis_mapping: Where each named axis of the layer lives on the mesh.
   """
 
   name: str
@@ -85,6 +87,7 @@ class EmbedConfig:
   topology: parallel.Topology
   feature_axes: tuple[tuple[str, ...], ...]
   embedding_axis: str
+  axis_mapping: axis_mapping_lib.AxisMapping
 
   def axes_of(self, feature: str) -> tuple[str, ...]:
     """The sample axes of `feature`."""
@@ -130,6 +133,7 @@ def _make_config(
   topology: parallel.Topology,
   feature_axes: Any,
   embedding_axis: str,
+  axis_name_to_mesh_name: Mapping[str, Any] | None = None,
 ) -> EmbedConfig:
   """Prepares the specs for the topology and plans them."""
   g, s = topology.num_devices, topology.num_sc_per_device
@@ -142,12 +146,22 @@ def _make_config(
         f"({g} devices x {s} SparseCores)"
       )
   plan = plan_lib.build(prepared, g, s)
+  axes = _feature_axes(plan.feature_specs, feature_axes)
   return EmbedConfig(
     name=name,
     plan=plan,
     topology=topology,
-    feature_axes=_feature_axes(plan.feature_specs, feature_axes),
+    feature_axes=axes,
     embedding_axis=embedding_axis,
+    axis_mapping=axis_mapping_lib.resolve(
+      topology,
+      axis_name_to_mesh_name,
+      [
+        (spec.name, a, tuple(spec.output_shape))
+        for spec, a in zip(plan.feature_specs, axes, strict=True)
+      ],
+      embedding_axis,
+    ),
   )
 
 
@@ -269,11 +283,12 @@ class SparseCoreEmbed(pz.nn.Layer):
     init_base_rng: jax.Array | None,
     feature_specs: Any,
     mesh: Mesh,
-    sharding_axis: str = "device",
+    sharding_axis: str | tuple[str, ...] | None = None,
     num_sc_per_device: int = 1,
     feature_axes: Any = None,
     embedding_axis: str = "embedding",
     exchange: str = "auto",
+    axis_name_to_mesh_name: Mapping[str, Any] | None = None,
   ) -> SparseCoreEmbed:
     """Builds the layer and its (sharded) variables.
 
@@ -285,7 +300,9 @@ class SparseCoreEmbed(pz.nn.Layer):
       feature_specs: A pytree of `FeatureSpec`s (prepared or not; stacking
         from `stack_tables` / `auto_stack_tables` is kept).
       mesh: A `jax.sharding.Mesh` (Auto axes).
-      sharding_axis: The mesh axis tables and batches are sharded over.
+      sharding_axis: The mesh axis, or tuple of axes, tables and batches
+        are sharded over: shorthand for `axis_name_to_mesh_name=
+        {"sc_shard": ...}`. Default: every axis of the mesh.
       num_sc_per_device: Virtual SparseCores per device.
       feature_axes: Sample axis names: None (`("batch",)` for every
         feature), one tuple for all features, or a dict feature → tuple.
@@ -293,20 +310,39 @@ class SparseCoreEmbed(pz.nn.Layer):
       exchange: How lookups cross devices: `"auto"` (per stack, the mode
         with fewer predicted bytes per device), `"activations"` or `"rows"`
         (see `pz_sparsecore.exchange`).
+      axis_name_to_mesh_name: Penzai-style placement
+        (`pz.toolshed.sharding_util`): the layer's axis names (`"sc_shard"`,
+        the tables' shard axis; each feature's sample axes; the embedding
+        axis) → a mesh axis, a tuple of mesh axes, or None (replicated).
+        Names left out keep their defaults (the shard axis over every mesh
+        axis, each feature's first sample axis over the same axes less
+        those other names took, the rest replicated); names the layer lacks
+        are ignored. See
+        `pz_sparsecore.nn.axis_mapping`.
 
     Returns:
       A new `SparseCoreEmbed`.
 
     Raises:
-      ValueError: On a bad topology, specs or axis names.
+      ValueError: On a bad topology, specs or axis names, a mesh axis the
+        mesh lacks, or a mesh without Auto axes.
     """
     if not isinstance(mesh, Mesh):
       raise ValueError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
+    parallel.check_mesh(mesh)
     topology = parallel.Topology(
-      mesh, sharding_axis, num_sc_per_device, exchange
+      mesh,
+      axis_mapping_lib.shard_axes(mesh, axis_name_to_mesh_name, sharding_axis),
+      num_sc_per_device,
+      exchange,
     )
     config = _make_config(
-      name, feature_specs, topology, feature_axes, embedding_axis
+      name,
+      feature_specs,
+      topology,
+      feature_axes,
+      embedding_axis,
+      axis_name_to_mesh_name,
     )
     tables, slots = _make_variables(config, init_base_rng)
     return cls(tables=tables, slots=slots, config=config)
@@ -385,11 +421,16 @@ class SparseCoreEmbed(pz.nn.Layer):
     if self.activation_probe is not None:
       acts = self.activation_probe.observe(acts, inputs)
     out = {}
+    mesh = config.topology.mesh
     for feature, axes in zip(
       config.plan.features.values(), config.feature_axes, strict=True
     ):
       value = acts[feature.name].reshape(feature.output_shape)
-      out[feature.name] = pz.nx.wrap(value).tag(*axes, config.embedding_axis)
+      names = (*axes, config.embedding_axis)
+      value = jax.lax.with_sharding_constraint(
+        value, config.axis_mapping.sharding(mesh, names)
+      )
+      out[feature.name] = pz.nx.wrap(value).tag(*names)
     return out
 
   def validate(self, inputs: PreprocessedInput) -> None:
@@ -526,9 +567,12 @@ def _flatten_samples(config: EmbedConfig, tree: Any, what: str) -> Any:
 
 
 def _local_device_count(topo: parallel.Topology) -> int:
-  """Positions along the sharding axis whose devices this process owns."""
+  """Positions along the shard axis whose devices this process owns."""
+  names = list(topo.mesh.axis_names)
   devices = np.moveaxis(
-    topo.mesh.devices, topo.mesh.axis_names.index(topo.axis), 0
+    topo.mesh.devices,
+    [names.index(a) for a in topo.axes],
+    list(range(len(topo.axes))),
   ).reshape(topo.num_devices, -1)
   me = jax.process_index()
   owned = [
@@ -536,8 +580,8 @@ def _local_device_count(topo: parallel.Topology) -> int:
   ]
   if not owned or owned != list(range(owned[0], owned[0] + len(owned))):
     raise ValueError(
-      f"process {me} must own a contiguous block of the sharding axis "
-      f"{topo.axis!r}; it owns positions {owned}"
+      f"process {me} must own a contiguous block of the shard axis's mesh "
+      f"axes {topo.axes}; it owns positions {owned}"
     )
   return len(owned)
 
