@@ -250,7 +250,7 @@ def _shard_map_image(
 ) -> Figure:
   """The `[mesh axes..., SparseCore] x row` image of one stack's owner
   tables, shards grouped by the mesh axes they live on."""
-  g, s = plan.num_devices, plan.num_sc_per_device
+  s = plan.num_sc_per_device
   owner = _owner_index(stack, plan.num_shards)
   padding = len(stack.tables)
   values, step = _binned(
