@@ -1,7 +1,10 @@
 """One process of a multi-process training run (launched by the tests).
 
 Usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR
-  [DEVICES_PER_PROCESS [EXCHANGE]]
+  [DEVICES_PER_PROCESS [EXCHANGE [MESH]]]
+
+MESH is "8" (one axis "device", the default) or e.g. "2x4" (axes "data"
+and "model"; the tables and the batch over both).
 
 Every process builds the same model on a mesh over all global devices,
 preprocesses only its own share of each global batch, trains a few steps and
@@ -22,6 +25,7 @@ def main() -> None:
   out_dir = sys.argv[4]
   per_process = int(sys.argv[5]) if len(sys.argv) > 5 else 4
   exchange = sys.argv[6] if len(sys.argv) > 6 else "auto"
+  mesh_shape = sys.argv[7] if len(sys.argv) > 7 else None
   os.environ["XLA_FLAGS"] = (
     f"--xla_force_host_platform_device_count={per_process}"
   )
@@ -45,7 +49,12 @@ def main() -> None:
   from pz_sparsecore.models import shakespeare
 
   batch, seq, vocab = 64, 4, 512
-  mesh = Mesh(np.array(jax.devices()), ("device",))
+  if mesh_shape and "x" in mesh_shape:
+    shape = tuple(int(x) for x in mesh_shape.split("x"))
+    mesh = Mesh(np.array(jax.devices()).reshape(shape), ("data", "model"))
+  else:
+    mesh = Mesh(np.array(jax.devices()), ("device",))
+  batch_axes = tuple(mesh.axis_names)
   build = functools.partial(
     shakespeare.build_model,
     mesh=mesh,
@@ -93,7 +102,7 @@ def main() -> None:
     for field in ("max_ids_per_partition", "max_unique_ids_per_partition"):
       seen.setdefault(field, []).append(getattr(stats, field)["words"])
     labels = jax.make_array_from_process_local_data(
-      NamedSharding(mesh, P("device")), labels[rows], (batch,)
+      NamedSharding(mesh, P(batch_axes)), labels[rows], (batch,)
     )
     aux = trainer.step(inputs=inputs, labels=labels)
     losses.append(float(jax.device_get(aux["loss"])))

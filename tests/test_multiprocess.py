@@ -27,7 +27,11 @@ def _free_port() -> int:
 
 
 def _launch(
-  out_dir, num_processes: int, devices: int, exchange: str = "activations"
+  out_dir,
+  num_processes: int,
+  devices: int,
+  exchange: str = "activations",
+  mesh: str = "8",
 ) -> None:
   port = _free_port()
   procs = [
@@ -41,6 +45,7 @@ def _launch(
         str(out_dir),
         str(devices),
         exchange,
+        mesh,
       ],
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
@@ -60,24 +65,31 @@ def _launch(
     assert proc.returncode == 0, output[-4000:]
 
 
+# Two processes x 4 devices: each exchange on a one-axis mesh, and the
+# tables and batch over both axes of a 2 x 4 ("data", "model") mesh.
+MULTI = {
+  "activations": ("activations", "8"),
+  "rows": ("rows", "8"),
+  "mesh 2x4": ("activations", "2x4"),
+}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   single = tmp_path_factory.mktemp("single")
-  multi = tmp_path_factory.mktemp("multi")
-  multi_rows = tmp_path_factory.mktemp("multi_rows")
   _launch(single, 1, 8)
-  _launch(multi, 2, 4)
-  _launch(multi_rows, 2, 4, "rows")
-  return single, multi, multi_rows
+  multi = {}
+  for name, (exchange, mesh) in MULTI.items():
+    multi[name] = tmp_path_factory.mktemp("multi")
+    _launch(multi[name], 2, 4, exchange, mesh)
+  return single, multi
 
 
-@pytest.mark.parametrize("exchange", ["activations", "rows"])
-def test_losses_and_tables_match_one_process(runs, exchange):
-  single, multi, multi_rows = runs
+@pytest.mark.parametrize("run", list(MULTI))
+def test_losses_and_tables_match_one_process(runs, run):
+  single, multi = runs
   a = np.load(single / "result.npz")
-  b = np.load(
-    (multi if exchange == "activations" else multi_rows) / "result.npz"
-  )
+  b = np.load(multi[run] / "result.npz")
   np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-5)
   np.testing.assert_allclose(a["table"], b["table"], rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(
@@ -87,7 +99,7 @@ def test_losses_and_tables_match_one_process(runs, exchange):
 
 
 def test_fdo_merges_both_processes(runs):
-  _, multi, _ = runs
+  multi = runs[1]["activations"]
   loaded = pzsc.NPZFileFDOClient(multi / "fdo", run_id="mp-test").load()
   local = [np.load(multi / f"stats_{i}.npz") for i in range(2)]
   for field in ("max_ids_per_partition", "max_unique_ids_per_partition"):
@@ -102,7 +114,7 @@ def test_checkpoint_from_two_processes_restores_on_one(runs):
 
   from pz_sparsecore.models import shakespeare
 
-  _, multi, _ = runs
+  multi = runs[1]["activations"]
   (step,) = os.listdir(multi / "ckpt")
   # Each process wrote its own shards.
   arrays = sorted(os.listdir(multi / "ckpt" / step / "arrays"))

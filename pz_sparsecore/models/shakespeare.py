@@ -102,7 +102,7 @@ def build_model(
   hidden: int = 256,
   optimizer: specs.OptimizerSpec | None = None,
   num_sc_per_device: int = 1,
-  sharding_axis: str = "device",
+  sharding_axis: str | tuple[str, ...] | None = None,
   exchange: str = "auto",
 ) -> NextWordModel:
   """Builds the model with its table sharded over `mesh`.
