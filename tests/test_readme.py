@@ -21,6 +21,11 @@ def test_minimal_example_runs_without_copying_the_table():
   exec(compile(_example(), str(README), "exec"), namespace)
   acts, embed = namespace["acts"], namespace["embed"]
   assert dict(acts["history"].named_shape) == {"batch": 1024, "embedding": 32}
+  # Activations on "data"; every device holds an eighth of the table.
+  assert acts["history"].data_array.sharding.spec[0] == "data"
+  table_array = embed.tables["items"].value.data_array
+  assert len({s.device for s in table_array.addressable_shards}) == 8
+  assert table_array.addressable_shards[0].data.nbytes * 8 == table_array.nbytes
   # The forward wrote nothing, so the table kept its buffer object.
   table = embed.tables["items"].value
   again = namespace["pzsc"].variable_jit(lambda e, x: e(x))(
