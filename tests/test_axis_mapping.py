@@ -124,6 +124,15 @@ def test_two_axis_meshes_train_like_one_axis(runs, shape):
   expected = pzsc.logical_tables(base.model.embed)
   for name in expected:
     np.testing.assert_allclose(tables[name], expected[name], atol=1e-6)
+  # The trained layers look a new batch up alike.
+  acts = [
+    t.model.embed(t.model.embed.preprocess(*_batch(99))[0])
+    for t in (trainer, base)
+  ]
+  for name in acts[1]:
+    np.testing.assert_allclose(
+      acts[0][name].data_array, acts[1][name].data_array, atol=1e-6
+    )
   slots = pzsc.logical_slots(trainer.model.embed)
   expected_slots = pzsc.logical_slots(base.model.embed)
   for name in expected_slots:

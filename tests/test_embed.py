@@ -252,7 +252,7 @@ def test_unknown_side_inputs_are_ignored(embed):
 def test_from_config_rejects_bad_arguments(mesh):
   with pytest.raises(ValueError, match="Mesh"):
     SparseCoreEmbed.from_config("e", jax.random.key(0), _specs(), "mesh")
-  with pytest.raises(ValueError, match="sharding axis"):
+  with pytest.raises(ValueError, match="shard axis maps to mesh axis .x."):
     SparseCoreEmbed.from_config(
       "e", jax.random.key(0), _specs(), mesh, sharding_axis="x"
     )

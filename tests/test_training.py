@@ -394,7 +394,6 @@ def snapshot(embed):
     (8, 1, "rows"),
     (4, 2, "activations"),
     (4, 2, "rows"),
-    (2, 1, "rows"),
   ],
 )
 def test_trainer_matches_numpy_optimizers(g, s, exchange):
