@@ -77,6 +77,7 @@ _EXPORTS = {
   "set_logical_tables": "nn.tables",
   "set_logical_slots": "nn.tables",
   "with_feature_specs": "nn.respec",
+  "update_limits": "nn.respec",
   # input pipeline
   "prefetch": "pipeline",
   "Prefetcher": "pipeline",

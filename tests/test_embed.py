@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh
 from penzai import pz
@@ -191,9 +192,52 @@ def test_with_feature_specs_rejects_layout_changes(embed):
     pzsc.with_feature_specs(embed, {"fa": _specs()["fa"]})
 
 
+def _loss_fn(*, model, state, rng, inputs):
+  del rng
+  acts = model(inputs)
+  loss = sum(jnp.sum(a.unwrap(*a.named_shape) ** 2) for a in acts.values())
+  return loss, state, {"loss": loss}
+
+
+def test_update_limits_refreshes_the_layer_inside_the_trainer(embed):
+  trainer = pzsc.SparseCoreTrainer.build(
+    jax.random.key(1), embed, optax.sgd(0.01), _loss_fn
+  )
+  inputs, stats = trainer.model.preprocess(_batch(0))
+  trainer.step(inputs=inputs)
+  observed = int(np.max(stats.max_ids_per_partition["ta"]))
+  assert observed < 64
+  refreshed = pzsc.update_limits(trainer, stats)
+  layer = refreshed.model
+  assert layer.config.plan.stack("ta").spec.max_ids_per_partition == observed
+  assert layer.tables["ta"] is embed.tables["ta"]
+  # The old layer's buffers no longer fit; the message names the call.
+  with pytest.raises(ValueError, match=r"pzsc.update_limits\(trainer"):
+    refreshed.step(inputs=inputs)
+  # The next action: preprocess with the refreshed layer and train on (the
+  # observed batch fits the limits observed on it).
+  before = pzsc.logical_tables(layer)["ta"]
+  refreshed.step(inputs=layer.preprocess(_batch(0))[0])
+  assert int(refreshed.state.value.step) == 2
+  assert not np.array_equal(pzsc.logical_tables(layer)["ta"], before)
+  # Headroom scales the observed counts; a tree without layers is refused.
+  roomy = pzsc.update_limits(embed, stats, headroom=2.0)
+  assert roomy.config.plan.stack("ta").spec.max_ids_per_partition == (
+    2 * observed
+  )
+  with pytest.raises(ValueError, match="holds no SparseCoreEmbed"):
+    pzsc.update_limits({"w": jnp.zeros(3)}, stats)
+
+
 def test_preprocess_rejects_wrong_structure(embed):
-  with pytest.raises(ValueError, match="structure"):
-    embed.preprocess({"fa": _batch()["fa"]})
+  # A wrong feature name: the expected and given names, plainly.
+  ids = {"fa": _batch()["fa"], "fc": _batch()["fb"]}
+  with pytest.raises(
+    ValueError,
+    match=r"expected the keys \['fa', 'fb'\], got \['fa', 'fc'\] "
+    r"\(missing \['fb'\], unknown \['fc'\]\)",
+  ):
+    embed.preprocess(ids)
   with pytest.raises(ValueError, match="structure"):
     embed.preprocess([_batch()["fa"], _batch()["fb"]])
 

@@ -6,7 +6,7 @@ from pz_sparsecore.nn.checkpoint import restore_checkpoint, save_checkpoint
 from pz_sparsecore.nn.embed import EmbedConfig, SparseCoreEmbed, find_embeds
 from pz_sparsecore.nn.jit import variable_jit
 from pz_sparsecore.nn.probe import ActivationProbe
-from pz_sparsecore.nn.respec import with_feature_specs
+from pz_sparsecore.nn.respec import update_limits, with_feature_specs
 from pz_sparsecore.nn.tables import (
   logical_slots,
   logical_tables,
@@ -34,5 +34,6 @@ __all__ = [
   "set_logical_slots",
   "set_logical_tables",
   "variable_jit",
+  "update_limits",
   "with_feature_specs",
 ]

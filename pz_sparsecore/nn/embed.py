@@ -546,6 +546,18 @@ def _flatten_samples(config: EmbedConfig, tree: Any, what: str) -> Any:
   try:
     leaves = treedef.flatten_up_to(tree)
   except (ValueError, TypeError) as e:
+    expected = jax.tree.unflatten(treedef, [0] * treedef.num_leaves)
+    if (
+      isinstance(expected, Mapping)
+      and isinstance(tree, Mapping)
+      and set(expected) != set(tree)
+    ):
+      missing = sorted(set(expected) - set(tree), key=str)
+      unknown = sorted(set(tree) - set(expected), key=str)
+      raise ValueError(
+        f"{what}: expected the keys {sorted(expected, key=str)}, got "
+        f"{sorted(tree, key=str)} (missing {missing}, unknown {unknown})"
+      ) from None
     raise ValueError(
       f"{what} do not match the feature specs' structure {treedef}: {e}"
     ) from e
@@ -623,7 +635,10 @@ def _check_inputs(config: EmbedConfig, inputs: Any) -> None:
         raise ValueError(
           f"stack {stack!r}: {field.name} is {g.dtype}{list(g.shape)}, "
           f"expected {w.dtype}{list(w.shape)} (features "
-          f"{features}); preprocess with this layer's preprocess()"
+          f"{features}); preprocess with this layer's preprocess(). If "
+          "the limits changed, refresh the layer where it is used (in the "
+          "model or trainer) with pzsc.update_limits(trainer, stats), and "
+          "preprocess with that layer (trainer.model...preprocess)"
         )
 
 

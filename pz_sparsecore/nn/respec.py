@@ -14,6 +14,12 @@ re-specified layer's buffers and windows shrink to 16 entries, and a write
 to its tables is seen through the old layer as well.
 Anything that moves rows (a vocabulary, a dimension, an optimizer, the
 stacking) is rejected.
+
+`update_limits(target, stats)` is the one call after FDO: it re-specifies
+every layer inside a layer, a model or a `SparseCoreTrainer` from observed
+statistics, so the trainer's layer and the buffers its `preprocess` makes
+change together (a layer re-specified on its own leaves the trainer holding
+the old one, whose buffers no longer fit).
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ import dataclasses
 from typing import Any
 
 import jax
+from penzai import pz
 
-from pz_sparsecore import layout
+from pz_sparsecore import fdo, layout
 from pz_sparsecore import plan as plan_lib
 from pz_sparsecore.nn.embed import SparseCoreEmbed
+from pz_sparsecore.preprocess import SparseDenseMatmulInputStats
 
 # The fields FDO may change; set to one value each before comparing stacks.
 _LIMITS = dict(
@@ -72,3 +80,50 @@ def with_feature_specs(
       )
   config = dataclasses.replace(embed.config, plan=new)
   return dataclasses.replace(embed, config=config)
+
+
+def update_limits(
+  target: Any, stats: SparseDenseMatmulInputStats, *, headroom: float = 1.0
+) -> Any:
+  """`target` with every layer's limits set from observed statistics.
+
+  For each `SparseCoreEmbed` in `target` (a layer, a Penzai model, or a
+  `SparseCoreTrainer`), `fdo.update_preprocessing_parameters` sets the
+  limits of the stacks `stats` covers (scaled by `headroom`), and
+  `with_feature_specs` swaps the new plan in; the variables are shared, so
+  training goes on where it was. Preprocess the next batches with the
+  returned object's layer (e.g. `trainer.model.embed.preprocess`); the next
+  step compiles once for the new buffer shapes.
+
+  Args:
+    target: A `SparseCoreEmbed`, a model holding some, or a trainer.
+    stats: Observed statistics, e.g. `NPZFileFDOClient.load()`.
+    headroom: Factor on the observed counts (`fdo.scale_stats`).
+
+  Returns:
+    The same kind of object with re-specified layers.
+
+  Raises:
+    ValueError: If `target` holds no `SparseCoreEmbed`.
+  """
+  if headroom != 1.0:
+    stats = fdo.scale_stats(stats, headroom)
+
+  def refresh(embed: SparseCoreEmbed) -> SparseCoreEmbed:
+    topo = embed.config.topology
+    specs = fdo.update_preprocessing_parameters(
+      embed.config.plan.specs_tree,
+      stats,
+      topo.num_sc_per_device,
+      global_device_count=topo.num_devices,
+    )
+    return with_feature_specs(embed, specs)
+
+  if isinstance(target, SparseCoreEmbed):
+    return refresh(target)
+  selection = pz.select(target).at_instances_of(SparseCoreEmbed)
+  if selection.count() == 0:
+    raise ValueError(
+      f"update_limits: {type(target).__name__} holds no SparseCoreEmbed"
+    )
+  return selection.apply(refresh)
