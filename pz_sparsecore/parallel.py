@@ -647,6 +647,7 @@ def compiled_exchange_bytes(
   topology: Topology,
   tables: dict[str, jax.Array],
   inputs: PreprocessedInput,
+  calls: tuple[str, ...] = ("lookup", "update", "step"),
 ) -> dict[str, int]:
   """Collective bytes per device of the compiled lookup, update and step.
 
@@ -661,9 +662,11 @@ def compiled_exchange_bytes(
     topology: Mesh, sharding axis, SparseCores per device, exchange.
     tables: Stack name → `[N, V_shard, D]`.
     inputs: Buffers for the tables.
+    calls: Which of the three to compile.
 
   Returns:
-    `{"lookup": ..., "update": ..., "step": ...}` in bytes per device.
+    `{"lookup": ..., "update": ..., "step": ...}` in bytes per device (the
+    `calls` asked for).
   """
   slots = {name: () for name in tables}
 
@@ -678,7 +681,7 @@ def compiled_exchange_bytes(
     return update(tables, inputs, {k: 2.0 * v for k, v in acts.items()})
 
   grads = jax.eval_shape(look, tables, inputs)
-  calls = {
+  programs = {
     "lookup": (look, (tables, inputs)),
     "update": (update, (tables, inputs, grads)),
     "step": (step, (tables, inputs)),
@@ -689,5 +692,6 @@ def compiled_exchange_bytes(
         jax.jit(fn).lower(*args).compile().as_text()
       ).values()
     )
-    for name, (fn, args) in calls.items()
+    for name, (fn, args) in programs.items()
+    if name in calls
   }

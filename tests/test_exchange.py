@@ -21,7 +21,7 @@ import pz_sparsecore as pzsc
 from pz_sparsecore import exchange, parallel
 from pz_sparsecore.nn.tables import table_arrays
 
-LOCAL_BATCH, IDS, DIM, VOCAB = 256, 8, 32, 1_000_000
+LOCAL_BATCH, IDS, DIM, VOCAB = 256, 8, 32, 100_000
 
 
 def _layer(g: int, s: int, mode: str, ids_per_sample: int = IDS):
@@ -63,12 +63,12 @@ def _layer(g: int, s: int, mode: str, ids_per_sample: int = IDS):
 
 
 @functools.cache
-def _compiled(g: int, s: int, mode: str):
-  """(predicted `Exchange`, compiled bytes of lookup, update and step)."""
+def _compiled(g: int, s: int, mode: str, calls=("step",)):
+  """(predicted `Exchange`, compiled bytes of the `calls`)."""
   embed, inputs = _layer(g, s, mode)
   plan, topo = embed.config.plan, embed.config.topology
   measured = parallel.compiled_exchange_bytes(
-    plan, topo, table_arrays(embed), inputs
+    plan, topo, table_arrays(embed), inputs, calls
   )
   return topo.exchange_of(plan.stacks[0]), measured
 
@@ -78,15 +78,19 @@ TOPOLOGIES = [(g, s) for g in (2, 4, 8) for s in (1, 2)]
 
 @pytest.mark.parametrize("mode", ["activations", "rows"])
 @pytest.mark.parametrize("g,s", TOPOLOGIES)
-def test_compiled_collectives_equal_prediction(g, s, mode):
+def test_compiled_step_collectives_equal_prediction(g, s, mode):
   chosen, measured = _compiled(g, s, mode)
   assert chosen.mode == mode
+  assert measured == {"step": getattr(chosen, mode).step}
+
+
+@pytest.mark.parametrize("mode", ["activations", "rows"])
+def test_compiled_lookup_and_update_equal_prediction(mode):
+  # A lookup and an update compiled apart each send the routing.
+  chosen, measured = _compiled(4, 2, mode, ("lookup", "update"))
   predicted = getattr(chosen, mode)
-  assert measured == {
-    "lookup": predicted.lookup,
-    "update": predicted.update,
-    "step": predicted.step,
-  }
+  assert measured == {"lookup": predicted.lookup, "update": predicted.update}
+  assert predicted.lookup + predicted.update > predicted.step
 
 
 @pytest.mark.parametrize("s", [1, 2])
