@@ -1,4 +1,5 @@
-"""The README's minimal example runs as shown and gives what it says."""
+"""The README's minimal example and the getting-started guide run as shown
+and give what they say."""
 
 from __future__ import annotations
 
@@ -7,13 +8,30 @@ import re
 
 import numpy as np
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+GETTING_STARTED = ROOT / "docs" / "getting_started.md"
 
 
 def _example() -> str:
   text = README.read_text()
   section = text[text.index("## A minimal example") :]
   return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_getting_started_runs_top_to_bottom():
+  """Every Python block of the guide, in order, in one namespace."""
+  blocks = re.findall(r"```python\n(.*?)```", GETTING_STARTED.read_text(), re.S)
+  assert len(blocks) == 3
+  namespace: dict = {}
+  for block in blocks:
+    exec(compile(block, str(GETTING_STARTED), "exec"), namespace)
+  trainer, auxes = namespace["trainer"], namespace["auxes"]
+  assert len(auxes) == len(namespace["data"]) == 60
+  assert int(trainer.state.value.step) == 120
+  losses = [float(a["loss"]) for a in auxes]
+  # The second pass over the data (fit) learns the clicked rows.
+  assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.1, losses
 
 
 def test_minimal_example_runs_without_copying_the_table():
