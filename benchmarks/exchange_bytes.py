@@ -17,17 +17,7 @@ Run: ``.venv/bin/python benchmarks/exchange_bytes.py`` (prints two tables).
 
 from __future__ import annotations
 
-import os
 import sys
-
-# 8 virtual CPU devices, before anything imports jax.
-if "xla_force_host_platform_device_count" not in os.environ.get(
-  "XLA_FLAGS", ""
-):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8"
-  ).strip()
 
 import jax
 import numpy as np
@@ -36,6 +26,9 @@ from jax.sharding import Mesh
 import pz_sparsecore as pzsc
 from pz_sparsecore import exchange, parallel
 from pz_sparsecore.nn.tables import table_arrays
+
+# 8 virtual CPU devices (before any computation), as pipeline.py.
+jax.config.update("jax_num_cpu_devices", 8)
 
 MODES = ("activations", "rows")
 
