@@ -132,6 +132,17 @@ def coo_buffer_size_per_device(
   return size
 
 
+def routing_window(num_sc_per_device: int, limit: int) -> int:
+  """Entries one SparseCore segment can send one device: `S * r8(limit)`.
+
+  With `limit` a stack's `max_ids_per_partition` this is the activation
+  exchange's window of entries; with its `max_unique_ids_per_partition`,
+  the row exchange's window of distinct rows (`S` partitions per device,
+  each 8-aligned).
+  """
+  return int(num_sc_per_device) * round_up(int(limit))
+
+
 def partition_starts(ends: Any, xp: Any = np) -> Any:
   """Start of every partition from the ends `[..., P]` of one segment.
 

@@ -47,7 +47,7 @@ import dataclasses
 import math
 import re
 
-from pz_sparsecore.buffer_format import round_up
+from pz_sparsecore.buffer_format import routing_window
 
 AUTO = "auto"
 ACTIVATIONS = "activations"
@@ -133,11 +133,11 @@ def predict_bytes(
   if g == 1:
     return ExchangeBytes(0, 0, 0)
   if mode == ACTIVATIONS:
-    window = s * round_up(int(max_ids_per_partition))
+    window = routing_window(s, max_ids_per_partition)
     routing = g * s * (s + 3 * window)
     values = g * int(samples_per_device) * int(dim)
   elif mode == ROWS:
-    window = s * round_up(int(max_unique_ids_per_partition))
+    window = routing_window(s, max_unique_ids_per_partition)
     routing = g * s * (s + window)
     values = g * s * window * int(dim)
   else:

@@ -200,7 +200,7 @@ class _Segment:
 
   def check_distinct(self, p: int, ids: np.ndarray) -> None:
     """The partition's distinct rows fit the row exchange's window."""
-    cap = buffer_format.round_up(self.stack.spec.max_unique_ids_per_partition)
+    cap = self.stack.unique_window // self.plan.num_sc_per_device
     distinct = int(np.count_nonzero(np.diff(ids))) + 1
     if distinct > cap:
       self.fail(

@@ -245,7 +245,8 @@ def _buffers(stack: StackPlan, topo: Topology, inputs: PreprocessedInput):
 
 def _local_lookup(stack: StackPlan, topo: Topology, table, inputs):
   g, s, b = topo.num_devices, topo.num_sc_per_device, stack.samples_per_sc
-  if topo.exchange_of(stack).mode == exchange_lib.ROWS:
+  mode = topo.exchange_of(stack).mode
+  if mode == exchange_lib.ROWS:
     acts = row_exchange.lookup(
       stack, g, s, topo.axis, table, *_local_buffers(stack, inputs)
     )
@@ -253,7 +254,7 @@ def _local_lookup(stack: StackPlan, topo: Topology, table, inputs):
     acts = kernels.sparse_dense_matmul(
       *_buffers(stack, topo, inputs), table, **_kernel_shape(stack, topo)
     )
-  if topo.exchange_of(stack).mode == exchange_lib.ACTIVATIONS:
+  if mode == exchange_lib.ACTIVATIONS:
     partial = acts.reshape(g, s * b, stack.dim)
     acts = jax.lax.all_to_all(partial, topo.axis, 0, 0, tiled=True).sum(0)
   acts = acts.reshape(s, b, stack.dim)

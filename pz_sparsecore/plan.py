@@ -87,7 +87,9 @@ class StackPlan:
     coo_per_device: COO entries per device (`C_dev`).
     coo_per_sc: COO entries of one SparseCore segment (`C_dev / S`).
     window: Entries one source SparseCore can send one device,
-      `S * r8(max_ids_per_partition)`.
+      `S * r8(max_ids_per_partition)` (the activation exchange).
+    unique_window: Distinct rows one source SparseCore can ask of one
+      device, `S * r8(max_unique_ids_per_partition)` (the row exchange).
   """
 
   spec: StackedTableSpec
@@ -99,6 +101,7 @@ class StackPlan:
   coo_per_device: int
   coo_per_sc: int
   window: int
+  unique_window: int
 
   @property
   def name(self) -> str:
@@ -281,7 +284,10 @@ def _stack_plan(features: list[FeatureSpec], g: int, s: int) -> StackPlan:
     row_pointers_per_sc=buffer_format.row_pointers_per_sc(n),
     coo_per_device=coo,
     coo_per_sc=coo // s,
-    window=s * buffer_format.round_up(stacked.max_ids_per_partition),
+    window=buffer_format.routing_window(s, stacked.max_ids_per_partition),
+    unique_window=buffer_format.routing_window(
+      s, stacked.max_unique_ids_per_partition
+    ),
   )
 
 

@@ -68,16 +68,10 @@ class Routing(NamedTuple):
   group_pointers: jax.Array
 
 
-def window(stack: StackPlan, num_sc_per_device: int) -> int:
-  """`Wu`: distinct rows one segment can ask of one device."""
-  cap = buffer_format.round_up(stack.spec.max_unique_ids_per_partition)
-  return num_sc_per_device * cap
-
-
 def route(stack: StackPlan, g: int, s: int, rp, ids, sids) -> Routing:
   """Finds the distinct rows of the local segments and packs the windows."""
   n, c, v = g * s, stack.coo_per_sc, stack.rows_per_shard
-  wu = window(stack, s)
+  wu = stack.unique_window
   cap = wu // s
   shape = contract.BufferShape(
     num_segments=s,
@@ -144,7 +138,7 @@ def owner_shape(stack: StackPlan, g: int, s: int) -> dict[str, int]:
   """Kernel sizes of the owner's calls over the `G * S` received windows."""
   return dict(
     num_segments=g * s,
-    samples_per_segment=window(stack, s),
+    samples_per_segment=stack.unique_window,
     num_partitions=s,
     rows_per_partition=stack.rows_per_shard,
   )
@@ -156,7 +150,7 @@ def _source_shape(stack: StackPlan, g: int, s: int) -> dict[str, int]:
     num_segments=s,
     samples_per_segment=stack.samples_per_sc,
     num_partitions=g,
-    rows_per_partition=s * window(stack, s),
+    rows_per_partition=s * stack.unique_window,
   )
 
 
@@ -165,7 +159,7 @@ def lookup(
 ) -> jax.Array:
   """The local samples' activations `[S * B_sc, D]` by the row exchange."""
   routing = route(stack, g, s, rp, ids, sids)
-  wu = window(stack, s)
+  wu = stack.unique_window
   received = owner_buffers(*exchange(routing, axis), wu)
   rows = kernels.sparse_dense_matmul(
     *received, table, **owner_shape(stack, g, s)
@@ -202,7 +196,7 @@ def owner_operands(
     windows as kernel buffers, and the kernel's sizes.
   """
   routing = route(stack, g, s, rp, ids, sids)
-  wu = window(stack, s)
+  wu = stack.unique_window
   zeros = jnp.zeros((g, s * wu, stack.dim), jnp.float32)
   # SGD with learning rate -1 from zero rows: each slot's row becomes
   # exactly sum(gain * grad) over the entries that reference it.
