@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BUILD_DEPS := scikit-build-core nanobind jax==0.10.2 jaxlib==0.10.2
-SOURCES := pyproject.toml CMakeLists.txt $(wildcard csrc/*)
+SOURCES := pyproject.toml constraints.txt CMakeLists.txt $(wildcard csrc/*)
 
 .PHONY: demo test test-asan lint bench bench-large docs clean
 
@@ -12,7 +12,7 @@ $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(BUILD_DEPS)
-	$(PY) -m pip install -q --no-build-isolation -e ".[dev]"
+	$(PY) -m pip install -q --no-build-isolation -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -228,23 +228,29 @@ def ours_step(table_np, bufs, act_grad, optimizer: str, rows) -> Impl:
   return run, lambda: _jax_rows((state[0], *state[1]), rows)
 
 
-def _preprocess_fn(vocab: int) -> Callable[[np.ndarray], tuple]:
-  """Raw ``[BATCH, k]`` ids -> our kernels' buffers, via the public API."""
+def preprocess_fn(
+  vocab: int,
+  batch: int = BATCH,
+  ids_per_sample: int = IDS_PER_SAMPLE,
+  dim: int = DIM,
+) -> Callable[[np.ndarray], tuple]:
+  """Raw ``[batch, ids_per_sample]`` ids -> the buffers of one device with
+  one SparseCore (a ``[vocab, dim]`` table), via the public API."""
   table_spec = pzsc.TableSpec(
     name="table",
     vocabulary_size=vocab,
-    embedding_dim=DIM,
+    embedding_dim=dim,
     initializer=jax.nn.initializers.zeros,
     optimizer=pzsc.SGDOptimizerSpec(learning_rate=LEARNING_RATE),
     combiner="sum",
-    max_ids_per_partition=BATCH * IDS_PER_SAMPLE,
-    max_unique_ids_per_partition=BATCH * IDS_PER_SAMPLE,
+    max_ids_per_partition=batch * ids_per_sample,
+    max_unique_ids_per_partition=batch * ids_per_sample,
   )
   feature = pzsc.FeatureSpec(
     name="ids",
     table_spec=table_spec,
-    input_shape=(BATCH, IDS_PER_SAMPLE),
-    output_shape=(BATCH, DIM),
+    input_shape=(batch, ids_per_sample),
+    output_shape=(batch, dim),
   )
   specs = pzsc.prepare_feature_specs_for_training(
     {"ids": feature}, global_device_count=1, num_sc_per_device=1
@@ -270,7 +276,7 @@ def _preprocess_fn(vocab: int) -> Callable[[np.ndarray], tuple]:
 def ours_raw(table_np, ids, act_grad, optimizer: str | None, rows) -> Impl:
   """Preprocessing + forward (+ fused backward) from raw ids."""
   vocab = table_np.shape[0]
-  preprocess = _preprocess_fn(vocab)
+  preprocess = preprocess_fn(vocab)
   if optimizer is None:
     table = jnp.asarray(table_np)
     fwd = jax.jit(

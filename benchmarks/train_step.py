@@ -141,7 +141,10 @@ def _run_ours(
 
   return step, {
     "mode": chosen.mode,
-    "step_bytes": getattr(chosen, chosen.mode).step,
+    # One device ("local") exchanges nothing.
+    "step_bytes": 0
+    if chosen.mode == "local"
+    else getattr(chosen, chosen.mode).step,
     "reason": chosen.reason,
   }
 

@@ -171,4 +171,62 @@ ffi::Error CollectSlices(const CooView& v, std::vector<Slice>* slices) {
   return ffi::Error::Success();
 }
 
+// Checks the operands beyond the COO buffers: the activation gradient, the
+// table result, the slots and their results, the hyperparameters and the
+// clip range.
+ffi::Error CheckGradOperands(int num_slots, int num_hyperparameters,
+                             const CooView& view,
+                             const ffi::AnyBuffer& activation_grad,
+                             const ffi::AnyBuffer& table,
+                             ffi::RemainingArgs rest,
+                             ffi::Result<ffi::AnyBuffer> table_out,
+                             ffi::RemainingRets slots_out, bool clip,
+                             float clip_min, float clip_max) {
+  const int64_t num_rows = LeadingRows(table);
+  if (auto err = CheckMatrix(activation_grad, view.num_outputs(), view.dim,
+                             "activation_grad");
+      err.failure()) {
+    return err;
+  }
+  if (rest.size() != num_slots + 1 || slots_out.size() != num_slots) {
+    return ffi::Error::InvalidArgument(
+        "expected " + std::to_string(num_slots) +
+        " slot operands and results plus the hyperparameters");
+  }
+  if (auto err = CheckRows(*table_out, num_rows, view.dim, "table result");
+      err.failure()) {
+    return err;
+  }
+  for (int s = 0; s < num_slots; ++s) {
+    auto slot = rest.get<ffi::AnyBuffer>(s);
+    auto slot_out = slots_out.get<ffi::AnyBuffer>(s);
+    if (slot.has_error()) return slot.error();
+    if (slot_out.has_error()) return slot_out.error();
+    if (auto err = CheckRows(*slot, num_rows, view.dim, "slot");
+        err.failure()) {
+      return err;
+    }
+    if (auto err = CheckRows(**slot_out, num_rows, view.dim, "slot result");
+        err.failure()) {
+      return err;
+    }
+  }
+  auto hyper = rest.get<ffi::AnyBuffer>(num_slots);
+  if (hyper.has_error()) return hyper.error();
+  if (auto err = CheckBuffer(*hyper, ffi::DataType::F32, 1, "hyperparameters");
+      err.failure()) {
+    return err;
+  }
+  if (static_cast<int64_t>(hyper->element_count()) != num_hyperparameters) {
+    return ffi::Error::InvalidArgument(
+        "hyperparameters must have " +
+        std::to_string(num_hyperparameters) + " elements, got " +
+        std::to_string(hyper->element_count()));
+  }
+  if (clip && !(clip_min <= clip_max)) {
+    return ffi::Error::InvalidArgument("clip_min must be <= clip_max");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace pzsc

@@ -126,6 +126,18 @@ ffi::Error CheckRows(const ffi::AnyBuffer& buffer, int64_t rows, int64_t cols,
 ffi::Error CheckMatrix(const ffi::AnyBuffer& buffer, int64_t rows,
                        int64_t cols, const char* name);
 
+// Checks a fused backward's operands beyond the COO buffers (CPU and CUDA):
+// the activation gradient, the table result, `num_slots` slots and their
+// results, `num_hyperparameters` hyperparameters and the clip range.
+ffi::Error CheckGradOperands(int num_slots, int num_hyperparameters,
+                             const CooView& view,
+                             const ffi::AnyBuffer& activation_grad,
+                             const ffi::AnyBuffer& table,
+                             ffi::RemainingArgs rest,
+                             ffi::Result<ffi::AnyBuffer> table_out,
+                             ffi::RemainingRets slots_out, bool clip,
+                             float clip_min, float clip_max);
+
 }  // namespace pzsc
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(

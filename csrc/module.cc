@@ -20,11 +20,15 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(CheckCooCpu);
 #ifdef PZSC_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradSgdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradAdagradCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradAdagradMomentumCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradAdamCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradFtrlCuda);
 #endif
 
 // Bumped whenever a handler's operands, attributes or contract change, or a
 // target is added or removed (pz_sparsecore/kernels/ffi.py: ABI_VERSION).
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 4;
 }  // namespace pzsc
 
 namespace {
@@ -65,6 +69,14 @@ NB_MODULE(_pzsc_ffi, m) {
         Capsule(pzsc::SparseDenseMatmulCuda));
     add("pzsc_sparse_dense_matmul_grad_sgd", "CUDA",
         Capsule(pzsc::SparseDenseMatmulGradSgdCuda));
+    add("pzsc_sparse_dense_matmul_grad_adagrad", "CUDA",
+        Capsule(pzsc::SparseDenseMatmulGradAdagradCuda));
+    add("pzsc_sparse_dense_matmul_grad_adagrad_momentum", "CUDA",
+        Capsule(pzsc::SparseDenseMatmulGradAdagradMomentumCuda));
+    add("pzsc_sparse_dense_matmul_grad_adam", "CUDA",
+        Capsule(pzsc::SparseDenseMatmulGradAdamCuda));
+    add("pzsc_sparse_dense_matmul_grad_ftrl", "CUDA",
+        Capsule(pzsc::SparseDenseMatmulGradFtrlCuda));
 #endif
     return regs;
   });

@@ -7,8 +7,17 @@
 #ifndef PZSC_CSRC_OPTIMIZERS_H_
 #define PZSC_CSRC_OPTIMIZERS_H_
 
-#include <cmath>
+#include <math.h>
+
 #include <cstdint>
+
+// Host and device code (the CUDA handlers, sparse_dense_matmul_cuda.cu) share
+// everything here.
+#ifdef __CUDACC__
+#define PZSC_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define PZSC_HOST_DEVICE inline
+#endif
 
 namespace pzsc {
 
@@ -23,7 +32,7 @@ enum class Optimizer : int {
 inline constexpr int kMaxSlots = 2;
 inline constexpr int kMaxHyperparameters = 6;
 
-inline constexpr int NumSlots(Optimizer opt) {
+PZSC_HOST_DEVICE constexpr int NumSlots(Optimizer opt) {
   switch (opt) {
     case Optimizer::kSgd:
       return 0;
@@ -34,7 +43,7 @@ inline constexpr int NumSlots(Optimizer opt) {
   }
 }
 
-inline constexpr int NumHyperparameters(Optimizer opt) {
+PZSC_HOST_DEVICE constexpr int NumHyperparameters(Optimizer opt) {
   switch (opt) {
     case Optimizer::kSgd:
     case Optimizer::kAdagrad:
@@ -55,61 +64,50 @@ struct Hyperparameters {
   bool multiply_linear_by_learning_rate;
 };
 
+// The rules, one element at a time. `w` is the table
+// element, `a`/`m`/`v`/`l` its slot elements, `g` the summed row gradient.
+
 // w <- w - lr * g.
-inline void ApplySgd(const Hyperparameters& h, float* __restrict w,
-                     const float* __restrict g, int64_t dim) {
-  const float lr = h.v[0];
-  for (int64_t i = 0; i < dim; ++i) w[i] -= lr * g[i];
+PZSC_HOST_DEVICE void SgdElement(const Hyperparameters& h, float& w, float g) {
+  w -= h.v[0] * g;
 }
 
 // a <- a + g^2; w <- w - lr * g / sqrt(a).
-inline void ApplyAdagrad(const Hyperparameters& h, float* __restrict w,
-                         float* __restrict a, const float* __restrict g,
-                         int64_t dim) {
-  const float lr = h.v[0];
-  for (int64_t i = 0; i < dim; ++i) {
-    const float acc = a[i] + g[i] * g[i];
-    a[i] = acc;
-    w[i] -= lr * g[i] / std::sqrt(acc);
-  }
+PZSC_HOST_DEVICE void AdagradElement(const Hyperparameters& h, float& w,
+                                     float& a, float g) {
+  const float acc = a + g * g;
+  a = acc;
+  w -= h.v[0] * g / sqrtf(acc);
 }
 
 // a <- a + g^2 (beta2 == 1) or beta2 a + (1 - beta2) g^2;
 // gh = (a + eps)^(-1/exponent) g; m <- momentum m + gh;
 // w <- w - lr (nesterov ? momentum m + gh : m).
-inline void ApplyAdagradMomentum(const Hyperparameters& h, float* __restrict w,
-                                 float* __restrict a, float* __restrict m,
-                                 const float* __restrict g, int64_t dim) {
+PZSC_HOST_DEVICE void AdagradMomentumElement(const Hyperparameters& h,
+                                             float& w, float& a, float& m,
+                                             float g) {
   const float lr = h.v[0], momentum = h.v[1], beta2 = h.v[2];
   const float eps = h.v[3], exponent = h.v[4];
   const bool nesterov = h.v[5] != 0.0f;
-  const float neg_inv_exp = -1.0f / exponent;
-  for (int64_t i = 0; i < dim; ++i) {
-    const float gi = g[i];
-    const float acc =
-        beta2 == 1.0f ? a[i] + gi * gi : beta2 * a[i] + (1.0f - beta2) * gi * gi;
-    a[i] = acc;
-    const float scaled = std::pow(acc + eps, neg_inv_exp) * gi;
-    const float mom = momentum * m[i] + scaled;
-    m[i] = mom;
-    w[i] -= lr * (nesterov ? momentum * mom + scaled : mom);
-  }
+  const float acc =
+      beta2 == 1.0f ? a + g * g : beta2 * a + (1.0f - beta2) * g * g;
+  a = acc;
+  const float scaled = powf(acc + eps, -1.0f / exponent) * g;
+  const float mom = momentum * m + scaled;
+  m = mom;
+  w -= lr * (nesterov ? momentum * mom + scaled : mom);
 }
 
 // m <- m + (1 - b1)(g - m); v <- v + (1 - b2)(g^2 - v);
 // w <- w - alpha_t m / (sqrt(v) + eps_hat)   (hyper-parameters bias-corrected).
-inline void ApplyAdam(const Hyperparameters& h, float* __restrict w,
-                      float* __restrict m, float* __restrict v,
-                      const float* __restrict g, int64_t dim) {
+PZSC_HOST_DEVICE void AdamElement(const Hyperparameters& h, float& w, float& m,
+                                  float& v, float g) {
   const float alpha = h.v[0], b1 = h.v[1], b2 = h.v[2], eps = h.v[3];
-  for (int64_t i = 0; i < dim; ++i) {
-    const float gi = g[i];
-    const float mi = m[i] + (1.0f - b1) * (gi - m[i]);
-    const float vi = v[i] + (1.0f - b2) * (gi * gi - v[i]);
-    m[i] = mi;
-    v[i] = vi;
-    w[i] -= alpha * mi / (std::sqrt(vi) + eps);
-  }
+  const float mi = m + (1.0f - b1) * (g - m);
+  const float vi = v + (1.0f - b2) * (g * g - v);
+  m = mi;
+  v = vi;
+  w -= alpha * mi / (sqrtf(vi) + eps);
 }
 
 // FTRL with k = lr_power: a' = a + g^2; dp = a'^-k - a^-k;
@@ -117,29 +115,57 @@ inline void ApplyAdam(const Hyperparameters& h, float* __restrict w,
 // w <- (l1 == 0 ? -l : clip(l, -l1s, l1s) - l) / denominator, with
 // l1s = l1 (mlr: lr l1) and denominator (a'^-k + beta) / lr + 2 l2
 // (mlr: a'^-k + 2 lr l2 + beta); a <- a'.
-inline void ApplyFtrl(const Hyperparameters& h, float* __restrict w,
-                      float* __restrict a, float* __restrict l,
-                      const float* __restrict g, int64_t dim) {
+PZSC_HOST_DEVICE void FtrlElement(const Hyperparameters& h, float& w, float& a,
+                                  float& l, float g) {
   const float lr = h.v[0], k = h.v[1], l1 = h.v[2], l2 = h.v[3];
   const float beta = h.v[4];
   const bool mlr = h.multiply_linear_by_learning_rate;
   const float l1s = mlr ? l1 * lr : l1;
+  const float acc_new = a + g * g;
+  const float p_new = powf(acc_new, -k);
+  const float dp = p_new - powf(a, -k);
+  const float lin = mlr ? l + lr * g - dp * w : l + g - (dp / lr) * w;
+  const float num = l1 == 0.0f ? -lin : fminf(fmaxf(lin, -l1s), l1s) - lin;
+  const float den =
+      mlr ? p_new + 2.0f * lr * l2 + beta : (p_new + beta) / lr + 2.0f * l2;
+  l = lin;
+  a = acc_new;
+  w = num / den;
+}
+
+#ifndef __CUDACC__
+// The CPU handlers' row updates: the element rules over `dim` elements.
+inline void ApplySgd(const Hyperparameters& h, float* __restrict w,
+                     const float* __restrict g, int64_t dim) {
+  for (int64_t i = 0; i < dim; ++i) SgdElement(h, w[i], g[i]);
+}
+
+inline void ApplyAdagrad(const Hyperparameters& h, float* __restrict w,
+                         float* __restrict a, const float* __restrict g,
+                         int64_t dim) {
+  for (int64_t i = 0; i < dim; ++i) AdagradElement(h, w[i], a[i], g[i]);
+}
+
+inline void ApplyAdagradMomentum(const Hyperparameters& h, float* __restrict w,
+                                 float* __restrict a, float* __restrict m,
+                                 const float* __restrict g, int64_t dim) {
   for (int64_t i = 0; i < dim; ++i) {
-    const float gi = g[i];
-    const float acc_new = a[i] + gi * gi;
-    const float p_new = std::pow(acc_new, -k);
-    const float dp = p_new - std::pow(a[i], -k);
-    const float lin =
-        mlr ? l[i] + lr * gi - dp * w[i] : l[i] + gi - (dp / lr) * w[i];
-    const float num =
-        l1 == 0.0f ? -lin : std::fmin(std::fmax(lin, -l1s), l1s) - lin;
-    const float den =
-        mlr ? p_new + 2.0f * lr * l2 + beta : (p_new + beta) / lr + 2.0f * l2;
-    l[i] = lin;
-    a[i] = acc_new;
-    w[i] = num / den;
+    AdagradMomentumElement(h, w[i], a[i], m[i], g[i]);
   }
 }
+
+inline void ApplyAdam(const Hyperparameters& h, float* __restrict w,
+                      float* __restrict m, float* __restrict v,
+                      const float* __restrict g, int64_t dim) {
+  for (int64_t i = 0; i < dim; ++i) AdamElement(h, w[i], m[i], v[i], g[i]);
+}
+
+inline void ApplyFtrl(const Hyperparameters& h, float* __restrict w,
+                      float* __restrict a, float* __restrict l,
+                      const float* __restrict g, int64_t dim) {
+  for (int64_t i = 0; i < dim; ++i) FtrlElement(h, w[i], a[i], l[i], g[i]);
+}
+#endif  // __CUDACC__
 
 }  // namespace pzsc
 

@@ -170,65 +170,6 @@ std::vector<int64_t> SplitKeys(const CooView& view, const PreparedRuns& runs,
   return bounds;
 }
 
-// Checks the operands beyond the COO buffers: the activation gradient, the
-// table result, the slots and their results, the hyperparameters and the
-// clip range.
-template <Optimizer kOpt>
-ffi::Error CheckGradOperands(const CooView& view,
-                             const ffi::AnyBuffer& activation_grad,
-                             const ffi::AnyBuffer& table,
-                             ffi::RemainingArgs rest,
-                             ffi::Result<ffi::AnyBuffer> table_out,
-                             ffi::RemainingRets slots_out, bool clip,
-                             float clip_min, float clip_max) {
-  constexpr int kSlots = NumSlots(kOpt);
-  const int64_t num_rows = LeadingRows(table);
-  if (auto err = CheckMatrix(activation_grad, view.num_outputs(), view.dim,
-                             "activation_grad");
-      err.failure()) {
-    return err;
-  }
-  if (rest.size() != kSlots + 1 || slots_out.size() != kSlots) {
-    return ffi::Error::InvalidArgument(
-        "expected " + std::to_string(kSlots) +
-        " slot operands and results plus the hyperparameters");
-  }
-  if (auto err = CheckRows(*table_out, num_rows, view.dim, "table result");
-      err.failure()) {
-    return err;
-  }
-  for (int s = 0; s < kSlots; ++s) {
-    auto slot = rest.get<ffi::AnyBuffer>(s);
-    auto slot_out = slots_out.get<ffi::AnyBuffer>(s);
-    if (slot.has_error()) return slot.error();
-    if (slot_out.has_error()) return slot_out.error();
-    if (auto err = CheckRows(*slot, num_rows, view.dim, "slot");
-        err.failure()) {
-      return err;
-    }
-    if (auto err = CheckRows(**slot_out, num_rows, view.dim, "slot result");
-        err.failure()) {
-      return err;
-    }
-  }
-  auto hyper = rest.get<ffi::AnyBuffer>(kSlots);
-  if (hyper.has_error()) return hyper.error();
-  if (auto err = CheckBuffer(*hyper, ffi::DataType::F32, 1, "hyperparameters");
-      err.failure()) {
-    return err;
-  }
-  if (static_cast<int64_t>(hyper->element_count()) != NumHyperparameters(kOpt)) {
-    return ffi::Error::InvalidArgument(
-        "hyperparameters must have " +
-        std::to_string(NumHyperparameters(kOpt)) + " elements, got " +
-        std::to_string(hyper->element_count()));
-  }
-  if (clip && !(clip_min <= clip_max)) {
-    return ffi::Error::InvalidArgument("clip_min must be <= clip_max");
-  }
-  return ffi::Error::Success();
-}
-
 template <Optimizer kOpt>
 ffi::Error SparseDenseMatmulGradImpl(
     ffi::ThreadPool pool, ffi::AnyBuffer activation_grad,
@@ -244,9 +185,9 @@ ffi::Error SparseDenseMatmulGradImpl(
       err.failure()) {
     return err;
   }
-  if (auto err = CheckGradOperands<kOpt>(view, activation_grad, table, rest,
-                                         table_out, slots_out, clip, clip_min,
-                                         clip_max);
+  if (auto err = CheckGradOperands(kSlots, NumHyperparameters(kOpt), view,
+                                   activation_grad, table, rest, table_out,
+                                   slots_out, clip, clip_min, clip_max);
       err.failure()) {
     return err;
   }

@@ -4,7 +4,7 @@ Example (a CPU-only build)::
 
   >>> print(pz_sparsecore.backend_info())
   pz_sparsecore kernels: .../pz_sparsecore/_pzsc_ffi.cpython-311-...so
-    ABI version 3 (expected 3), CUDA handlers: no
+    ABI version 4 (expected 4), CUDA handlers: no
     ragged-id reader: .../pz_sparsecore/_pzsc_ragged.cpython-311-...so
     target                  cpu        cuda
     forward                 ffi        reference

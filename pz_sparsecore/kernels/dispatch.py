@@ -9,8 +9,8 @@ target and the caller's ``implementation``:
   so one traced function serves every backend): the handler where one is
   compiled for that platform (:func:`default_implementation`), else the
   reference. Lowering the reference for a platform whose handler is missing
-  (e.g. an Adagrad backward on CUDA, where only the forward and SGD are
-  compiled) warns once per (target, platform) with
+  (e.g. any kernel on CUDA in a build without the CUDA handlers) warns once
+  per (target, platform) with
   :class:`~pz_sparsecore.kernels.ffi.KernelFallbackWarning`. Without any
   extension every call runs the reference; the import already warned.
 

@@ -3,8 +3,9 @@
 The compiled extension ``pz_sparsecore._pzsc_ffi`` exposes one PyCapsule per
 handler and platform; importing this module loads it, checks its ABI version
 against :data:`ABI_VERSION` and registers every handler with
-``jax.ffi.register_ffi_target`` (CPU always, CUDA only for a build configured
-with ``-DPZSC_CUDA=ON``, which has the forward and the SGD backward).
+``jax.ffi.register_ffi_target`` (CPU always; CUDA, the forward and every
+fused optimizer, for a build with the CUDA handlers: built by default where
+nvcc and a GPU are found, see ``docs/gpu.md``).
 
 Nothing about the choice is silent:
 
@@ -52,7 +53,7 @@ import numpy as np
 from pz_sparsecore import _extension, optimizers
 from pz_sparsecore.kernels import contract
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 """The handlers' ABI this package was written for (``kAbiVersion`` in
 ``csrc/module.cc``)."""
 

@@ -6,7 +6,8 @@ them up front (``contract``: ``ValueError`` on a bad dtype, rank or size) and
 dispatch to an implementation:
 
 * ``implementation=None``: the C++ FFI handler where one is compiled for the
-  platform the call is lowered for (CPU; CUDA for a ``-DPZSC_CUDA=ON`` build),
+  platform the call is lowered for (CPU; CUDA for a build with the CUDA
+  handlers),
   else the pure-JAX reference, with a warning (``dispatch``). The choice
   happens at lowering time through ``jax.lax.platform_dependent``, so one
   traced function serves every backend.

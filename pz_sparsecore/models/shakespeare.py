@@ -404,9 +404,12 @@ def summary(result: RunResult) -> str:
   c, h, b = result.config, result.heldout, result.baseline
   steady = sorted(result.step_times[1:]) or result.step_times
   median = steady[len(steady) // 2]
+  platform = jax.devices()[0].platform
+  plural = "s" if c.devices != 1 else ""
   return "\n".join(
     [
-      f"trained {c.steps} steps on {c.devices} devices x {c.sc_per_device} SC "
+      f"trained {c.steps} steps on {c.devices} {platform} device{plural} x "
+      f"{c.sc_per_device} SC "
       f"(vocab {c.vocab}, batch {c.batch_size} x {c.seq_len}, {c.optimizer})",
       f"median step {median * 1e3:.1f} ms "
       f"({c.batch_size / median:,.0f} examples/s); first step (compile) "

@@ -1,9 +1,9 @@
 """The `shakespeare` command: `python -m pz_sparsecore shakespeare [options]`.
 
-Trains the Shakespeare next-word model on a mesh of virtual CPU devices and
-optionally writes an HTML report (`shakespeare_report`). JAX is imported
-only after the arguments are checked, so `--devices` can set the number of
-virtual devices.
+Trains the Shakespeare next-word model on a mesh of devices (every GPU JAX
+sees, else 8 virtual CPU devices) and optionally writes an HTML report
+(`shakespeare_report`). JAX is imported only after `--devices` is read, so
+that it can set the number of virtual CPU devices.
 """
 
 from __future__ import annotations
@@ -31,7 +31,13 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     help="train a next-word model on Shakespeare with a sharded embedding",
   )
   defaults = RunConfig()
-  shakespeare.add_argument("--devices", type=int, default=defaults.devices)
+  shakespeare.add_argument(
+    "--devices",
+    type=int,
+    default=None,
+    help="devices of the mesh (default: every GPU JAX sees, else "
+    f"{defaults.devices} virtual CPU devices)",
+  )
   shakespeare.add_argument(
     "--sc-per-device", type=int, default=defaults.sc_per_device
   )
@@ -97,11 +103,17 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     The process exit code: 0, or 1 if the run failed (the reason is printed
     to stderr).
   """
-  _check(parser, args)
-  flag = f"--xla_force_host_platform_device_count={args.devices}"
+  cpu_devices = args.devices or RunConfig().devices
+  flag = f"--xla_force_host_platform_device_count={cpu_devices}"
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+  import jax
+
+  if args.devices is None:
+    gpu = jax.default_backend() != "cpu"
+    args.devices = jax.device_count() if gpu else cpu_devices
+  _check(parser, args)
 
   from pz_sparsecore.models import shakespeare
 

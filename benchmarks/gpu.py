@@ -1,0 +1,411 @@
+"""GPU benchmark: the CUDA handlers against torch and plain JAX, one GPU.
+
+Run: ``python benchmarks/gpu.py`` (needs a GPU that JAX and torch see, and
+the extension built with the CUDA handlers; prints the tables last).
+``--workloads 0,3`` picks workloads, ``--repeats N`` the timed calls.
+
+Workloads: a batch of 65,536 samples x 32 ids (sum combiner) looked up in a
+``[vocab, 64]`` f32 table, vocab 1M, 8M and 64M, ids uniform or Zipf(1.05).
+Every library runs in its own subprocess per workload (so that each has the
+GPU's memory to itself); each figure is the median of ``--repeats`` calls
+after warm-up, wall time around a call that blocks until the GPU is done
+(JAX: ``block_until_ready``; torch: ``torch.cuda.synchronize``), so our
+handlers' host-side row-pointer check counts.
+
+1. ``fwd``: the lookup. Ours: ``pz_sparsecore.kernels.sparse_dense_matmul``
+   on the buffers of the public host preprocessing
+   (``preprocess_sparse_dense_matmul_input``, timed on its own in column
+   ``host prep``: the host work an input pipeline overlaps with the device
+   steps); torch: ``nn.EmbeddingBag(mode="sum")`` on the ``[65536, 32]``
+   int64 ids on the GPU; plain JAX: ``jnp.take`` + sum. GB/s: the bytes a
+   lookup must move (each id's row read once, the output written once) over
+   the time, beside the card's copy bandwidth measured in the same run.
+2. ``update``: a fixed activation gradient applied to the table. Ours: the
+   fused backward alone (SGD, Adagrad; table and slot donated); torch:
+   ``EmbeddingBag(sparse=True)``'s backward + ``optim.SGD`` /
+   ``optim.Adagrad`` (its forward excluded: timed as forward + backward +
+   step minus the forward); plain JAX: the dense gradient of take + sum and
+   a dense update of the whole table (donated).
+3. ``step``: forward then update, each library as in 1 and 2.
+4. Train step, vocab 2^24: ``benchmarks/train_step.py``'s model (one
+   feature, a Linear head, a squared loss, Adam), scaled to this batch:
+   ``SparseCoreTrainer`` against Penzai's ``EmbeddingLookup`` + ``optax.adam``
+   on the dense gradient (donated), both on the GPU.
+
+Each pair's results are checked (forward outputs allclose to torch's; the
+touched rows after one SGD update allclose to torch's).
+
+FBGEMM's GPU TBE is not among the peers: its wheel (fbgemm-gpu, 474 MiB)
+cannot reach a machine without a package registry within this project's
+transfer limits; torch's sparse EmbeddingBag path is the peer for updates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+BATCH, IDS, DIM = 65536, 32, 64
+VOCABS = (1 << 20, 1 << 23, 1 << 26)
+WORKLOADS = [(v, d) for v in VOCABS for d in ("uniform", "zipf")]
+LR, ACC0 = 0.01, 0.1
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def make_ids(vocab: int, dist: str, seed: int = 0):
+  import numpy as np
+
+  rng = np.random.default_rng(seed)
+  n = BATCH * IDS
+  if dist == "uniform":
+    ids = rng.integers(0, vocab, n)
+  else:
+    cdf = np.cumsum(np.arange(1, vocab + 1, dtype=np.float64) ** -1.05)
+    ranks = np.searchsorted(cdf, rng.random(n) * cdf[-1])
+    ids = rng.permutation(vocab)[np.minimum(ranks, vocab - 1)]
+  return ids.reshape(BATCH, IDS).astype(np.int64)
+
+
+def median_ms(fn, repeats: int, warmup: int = 3) -> float:
+  for _ in range(warmup):
+    fn()
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t)
+  return 1e3 * statistics.median(times)
+
+
+# --- children -----------------------------------------------------------------
+
+
+def child_jax(vocab: int, dist: str, repeats: int) -> dict:
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from pz_sparsecore import kernels
+
+  sys.path.insert(0, HERE)
+  from kernels import preprocess_fn
+
+  ids = make_ids(vocab, dist)
+  prep = preprocess_fn(vocab, BATCH, IDS, DIM)
+
+  def preprocess():
+    return prep(ids)
+
+  prep_ms = median_ms(preprocess, max(3, repeats // 4), warmup=1)
+  gpu = jax.devices("gpu")[0]
+  bufs = tuple(jax.device_put(b, gpu) for b in preprocess())
+  rows = vocab  # One shard of a power-of-two vocabulary: no padding.
+  layout = dict(
+    num_segments=1,
+    samples_per_segment=BATCH,
+    num_partitions=1,
+    rows_per_partition=rows,
+  )
+  rng = np.random.default_rng(1)
+  block = jax.device_put(
+    jnp.asarray(rng.normal(size=(1024, DIM)), jnp.float32), gpu
+  )
+  # A large random table without a host copy: a random block, tiled.
+  make_table = jax.jit(lambda b: jnp.tile(b, (rows // 1024, 1)))
+  table = make_table(block)
+  act = jax.device_put(
+    jnp.asarray(rng.normal(size=(BATCH, DIM)), jnp.float32), gpu
+  )
+  out = {"prep_ms": prep_ms, "entries": int((np.asarray(bufs[1]) < rows).sum())}
+
+  fwd = jax.jit(functools.partial(kernels.sparse_dense_matmul, **layout))
+  y = fwd(*bufs, table)
+  out["fwd_sample"] = np.asarray(y[:64]).tolist()
+  out["ours_fwd"] = median_ms(
+    lambda: fwd(*bufs, table).block_until_ready(), repeats
+  )
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnums=(2,))
+  def update(table, slots, optimizer, act, bufs):
+    return kernels.sparse_dense_matmul_grad(
+      act,
+      *bufs,
+      table,
+      slots,
+      optimizer=optimizer,
+      hyperparameters=jnp.asarray([LR], jnp.float32),
+      **layout,
+    )
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnums=(2,))
+  def step(table, slots, optimizer, act, bufs):
+    y = kernels.sparse_dense_matmul(*bufs, table, **layout)
+    return kernels.sparse_dense_matmul_grad(
+      act + 0 * y[:1],
+      *bufs,
+      table,
+      slots,
+      optimizer=optimizer,
+      hyperparameters=jnp.asarray([LR], jnp.float32),
+      **layout,
+    )
+
+  ids_dev = jax.device_put(jnp.asarray(ids, jnp.int32), gpu)
+  jfwd = jax.jit(lambda t, i: jnp.take(t, i, axis=0).sum(1))
+  out["jax_fwd"] = median_ms(
+    lambda: jfwd(table, ids_dev).block_until_ready(), repeats
+  )
+  table = None  # Freed: each optimizer gets a fresh table.
+  check_rows = np.unique(ids[:64].reshape(-1))
+  for opt in ("sgd", "adagrad"):
+    slots = () if opt == "sgd" else (jnp.full((rows, DIM), ACC0, jnp.float32),)
+    state = [make_table(block), slots]
+
+    def run(fn, opt=opt, state=state):
+      state[0], state[1] = fn(state[0], state[1], opt, act, bufs)
+      state[0].block_until_ready()
+
+    if opt == "sgd":
+      run(update)
+      out["sgd_rows"] = np.asarray(state[0][check_rows]).tolist()
+      out["sgd_rows_before"] = np.asarray(block[check_rows % 1024]).tolist()
+    out[f"ours_update_{opt}"] = median_ms(lambda: run(update), repeats)
+    out[f"ours_step_{opt}"] = median_ms(lambda: run(step), repeats)
+    state = None
+
+  if vocab <= (1 << 23):
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def jax_update(t, i, act):
+      g = jax.grad(lambda t: jnp.sum(jnp.take(t, i, axis=0).sum(1) * act))(t)
+      return t - LR * g
+
+    st = [make_table(block)]
+
+    def jrun():
+      st[0] = jax_update(st[0], ids_dev, act)
+      st[0].block_until_ready()
+
+    out["jax_update_sgd"] = median_ms(jrun, repeats)
+  return out
+
+
+def child_torch(vocab: int, dist: str, repeats: int) -> dict:
+  import numpy as np
+  import torch
+
+  dev = torch.device("cuda")
+  ids = torch.as_tensor(make_ids(vocab, dist), device=dev)
+  rng = np.random.default_rng(1)
+  block = torch.as_tensor(rng.normal(size=(1024, DIM)), dtype=torch.float32)
+  weight = block.to(dev).repeat(vocab // 1024, 1)
+  act = torch.as_tensor(
+    rng.normal(size=(BATCH, DIM)), dtype=torch.float32, device=dev
+  )
+  out = {}
+
+  def timed(fn):
+    def run():
+      fn()
+      torch.cuda.synchronize()
+
+    return median_ms(run, repeats)
+
+  # The card's copy bandwidth (bytes read + written).
+  a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+  b = torch.empty_like(a)
+  out["copy_gbs"] = 2 * a.numel() / timed(lambda: b.copy_(a)) / 1e6
+  a = b = None
+
+  bag = torch.nn.EmbeddingBag(vocab, DIM, mode="sum", sparse=True, device=dev)
+  with torch.no_grad():
+    bag.weight.copy_(weight)
+  del weight
+  with torch.no_grad():
+    y = bag(ids)
+    out["fwd_sample"] = y[:64].cpu().numpy().tolist()
+    out["torch_fwd"] = timed(lambda: bag(ids))
+  check_rows = torch.as_tensor(
+    np.unique(ids[:64].cpu().numpy().reshape(-1)), device=dev
+  )
+  for opt in ("sgd", "adagrad"):
+    optim = (
+      torch.optim.SGD(bag.parameters(), lr=LR)
+      if opt == "sgd"
+      else torch.optim.Adagrad(
+        bag.parameters(), lr=LR, initial_accumulator_value=ACC0, eps=1e-10
+      )
+    )
+
+    def step(optim=optim):
+      optim.zero_grad(set_to_none=True)
+      bag(ids).backward(act)
+      optim.step()
+
+    if opt == "sgd":
+      before = bag.weight.detach()[check_rows].cpu().numpy()
+      step()
+      torch.cuda.synchronize()
+      out["sgd_rows"] = bag.weight.detach()[check_rows].cpu().numpy().tolist()
+      out["sgd_rows_before"] = before.tolist()
+    out[f"torch_step_{opt}"] = timed(step)
+    out[f"torch_update_{opt}"] = out[f"torch_step_{opt}"] - out["torch_fwd"]
+    del optim
+  return out
+
+
+def child_train(which: str, repeats: int) -> dict:
+  """Part 4 in this process: train_step.py's models at this batch."""
+  sys.path.insert(0, HERE)
+  import train_step
+
+  train_step.BATCH, train_step.IDS, train_step.DIM = BATCH, IDS, DIM
+  vocab = 1 << 24
+  if which == "ours":
+    step, _ = train_step._run_ours(vocab, "adam")
+  else:
+    step = train_step._run_penzai(vocab)
+  i = [0]
+
+  def run():
+    float(step(i[0]))
+    i[0] += 1
+
+  return {"ms": median_ms(run, repeats)}
+
+
+def _spawn(args: list[str]) -> dict:
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  try:
+    res = subprocess.run(
+      [sys.executable, __file__, *args],
+      capture_output=True,
+      text=True,
+      env=env,
+      timeout=240,
+    )
+  except subprocess.TimeoutExpired:
+    return {"error": "timed out after 240 s"}
+  if res.returncode != 0:
+    return {"error": res.stderr.strip().splitlines()[-1] if res.stderr else "?"}
+  return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _close(a, b, rtol=1e-4, atol=1e-4) -> str:
+  import numpy as np
+
+  if a is None or b is None:
+    return "n/a"
+  a, b = np.asarray(a), np.asarray(b)
+  ok = np.isclose(a, b, rtol=rtol, atol=atol).all(axis=-1)
+  return f"{int(ok.sum())}/{ok.size}"
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--workloads", default=None)
+  parser.add_argument("--child", nargs="*", default=None)
+  parser.add_argument("--skip-train", action="store_true")
+  args = parser.parse_args()
+  if args.child:
+    kind = args.child[0]
+    if kind == "train":
+      res = child_train(args.child[1], args.repeats)
+    else:
+      vocab, dist = int(args.child[1]), args.child[2]
+      fn = child_jax if kind == "jax" else child_torch
+      res = fn(vocab, dist, args.repeats)
+    print(json.dumps(res))
+    return
+
+  picks = (
+    [int(i) for i in args.workloads.split(",")]
+    if args.workloads
+    else range(len(WORKLOADS))
+  )
+  rows = []
+  for i in picks:
+    vocab, dist = WORKLOADS[i]
+    r = ["--repeats", str(args.repeats)]
+    ours = _spawn(["--child", "jax", str(vocab), dist, *r])
+    peer = _spawn(["--child", "torch", str(vocab), dist, *r])
+    rows.append((vocab, dist, ours, peer))
+    brief = {
+      k: round(v, 3)
+      for k, v in {**ours, **peer}.items()
+      if isinstance(v, float)
+    }
+    print(f"workload {i}: {vocab} {dist}: {brief}", flush=True)
+  train = {
+    w: {"error": "skipped"}
+    if args.skip_train
+    else _spawn(["--child", "train", w, "--repeats", "10"])
+    for w in ("ours", "penzai")
+  }
+
+  copy = next(
+    (p["copy_gbs"] for *_, p in rows if "copy_gbs" in p), float("nan")
+  )
+  print(f"\nGPU copy bandwidth (read + write): {copy:.0f} GB/s")
+  print("\n1. forward (ms; GB/s = ids' rows read + output written)")
+  print(
+    f"{'vocab':>9} {'ids':8} {'entries':>9} {'host prep':>9} {'ours':>7} "
+    f"{'GB/s':>6} {'torch':>7} {'x ours':>6} {'jax':>7} {'x ours':>6} "
+    f"{'check':>7}"
+  )
+  for vocab, dist, o, p in rows:
+    if "error" in o or "error" in p:
+      print(f"{vocab:>9} {dist:8} error: {o.get('error') or p.get('error')}")
+      continue
+    gb = (BATCH * IDS * DIM * 4 + BATCH * DIM * 4) / 1e9
+    print(
+      f"{vocab:>9} {dist:8} {o['entries']:>9} {o['prep_ms']:>9.1f} "
+      f"{o['ours_fwd']:>7.3f} {gb / o['ours_fwd'] * 1e3:>6.0f} "
+      f"{p['torch_fwd']:>7.3f} "
+      f"{p['torch_fwd'] / o['ours_fwd']:>6.2f} {o['jax_fwd']:>7.3f} "
+      f"{o['jax_fwd'] / o['ours_fwd']:>6.2f} "
+      f"{_close(o['fwd_sample'], p['fwd_sample']):>7}"
+    )
+  print(
+    "\n2./3. update and step (ms): ours fused, torch sparse grad + optimizer"
+  )
+  print(
+    f"{'vocab':>9} {'ids':8} {'opt':8} {'ours upd':>8} {'torch upd':>9} "
+    f"{'x ours':>6} {'ours step':>9} {'torch step':>10} {'x ours':>6} "
+    f"{'jax upd':>8} {'check':>7}"
+  )
+  for vocab, dist, o, p in rows:
+    if "error" in o or "error" in p:
+      continue
+    for opt in ("sgd", "adagrad"):
+      ju = o.get(f"jax_update_{opt}")
+      check = _close(o["sgd_rows"], p["sgd_rows"]) if opt == "sgd" else ""
+      print(
+        f"{vocab:>9} {dist:8} {opt:8} {o[f'ours_update_{opt}']:>8.3f} "
+        f"{p[f'torch_update_{opt}']:>9.3f} "
+        f"{p[f'torch_update_{opt}'] / o[f'ours_update_{opt}']:>6.2f} "
+        f"{o[f'ours_step_{opt}']:>9.3f} {p[f'torch_step_{opt}']:>10.3f} "
+        f"{p[f'torch_step_{opt}'] / o[f'ours_step_{opt}']:>6.2f} "
+        f"{(f'{ju:.3f}' if ju else '-'):>8} {check:>7}"
+      )
+  print("\n4. train step, vocab 2^24, 65536 x 32 ids, Adam (ms)")
+  o, p = train["ours"], train["penzai"]
+  if "error" in o or "error" in p:
+    print(f"error: ours {o} penzai {p}")
+  else:
+    print(
+      f"SparseCoreTrainer {o['ms']:.2f}   Penzai EmbeddingLookup + optax "
+      f"{p['ms']:.2f}   x ours {p['ms'] / o['ms']:.1f}"
+    )
+
+
+if __name__ == "__main__":
+  main()
