@@ -1,16 +1,49 @@
-"""The README's minimal example and the getting-started guide run as shown
-and give what they say."""
+"""Every Python block of the README and of the docs' Markdown runs, as the
+page says it does, and gives what the page says.
+
+The blocks of a page run in order in one namespace (a page continues its
+own earlier blocks); `concepts.md` continues `getting_started.md`'s model,
+data and trainer; `multihost.md`'s blocks form one program, run as 2
+processes of 4 CPU devices. `test_every_python_block_is_run` fails on a page
+with Python blocks that no test here runs.
+"""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
+import socket
+import subprocess
+import sys
 
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-GETTING_STARTED = ROOT / "docs" / "getting_started.md"
+DOCS = ROOT / "docs"
+GETTING_STARTED = DOCS / "getting_started.md"
+CONCEPTS = DOCS / "concepts.md"
+MULTIHOST = DOCS / "multihost.md"
+GPU = DOCS / "gpu.md"
+
+# Pages with Python blocks -> how many; each is run by a test below.
+RUN_HERE = {
+  README: 1,
+  GETTING_STARTED: 3,
+  CONCEPTS: 2,
+  MULTIHOST: 2,
+  GPU: 1,
+}
+
+
+def _blocks(path: pathlib.Path) -> list[str]:
+  return re.findall(r"^```python\n(.*?)^```", path.read_text(), re.S | re.M)
+
+
+def _run(path: pathlib.Path, namespace: dict) -> None:
+  for block in _blocks(path):
+    exec(compile(block, str(path), "exec"), namespace)
 
 
 def _example() -> str:
@@ -19,19 +52,80 @@ def _example() -> str:
   return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-def test_getting_started_runs_top_to_bottom():
-  """Every Python block of the guide, in order, in one namespace."""
-  blocks = re.findall(r"```python\n(.*?)```", GETTING_STARTED.read_text(), re.S)
-  assert len(blocks) == 3
+def test_every_python_block_is_run():
+  pages = [README, *sorted(DOCS.rglob("*.md"))]
+  found = {
+    p: len(_blocks(p)) for p in pages if "_build" not in p.parts and _blocks(p)
+  }
+  assert found == RUN_HERE
+
+
+def test_getting_started_then_concepts_run_top_to_bottom():
+  """Every Python block of the guide, in order, in one namespace; then the
+  concepts page's FDO loop and checkpoint on the guide's trainer."""
   namespace: dict = {}
-  for block in blocks:
-    exec(compile(block, str(GETTING_STARTED), "exec"), namespace)
+  _run(GETTING_STARTED, namespace)
   trainer, auxes = namespace["trainer"], namespace["auxes"]
   assert len(auxes) == len(namespace["data"]) == 60
   assert int(trainer.state.value.step) == 120
   losses = [float(a["loss"]) for a in auxes]
   # The second pass over the data (fit) learns the clicked rows.
   assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.1, losses
+
+  limits_before = trainer.model.embed.config.plan.stacks[0]
+  _run(CONCEPTS, namespace)
+  trainer, resumed = namespace["trainer"], namespace["resumed"]
+  assert int(trainer.state.value.step) == 180
+  # update_limits replaced the trainer's layer: FDO set its limits.
+  assert trainer.model.embed.config.plan.stacks[0] != limits_before
+  # The resumed trainer holds the saved step and tables.
+  assert int(resumed.state.value.step) == 180
+  pzsc = namespace["pzsc"]
+  saved = pzsc.logical_tables(trainer.model.embed)["items"]
+  np.testing.assert_array_equal(
+    pzsc.logical_tables(resumed.model.embed)["items"], saved
+  )
+
+
+def test_gpu_page_snippet_runs(capsys):
+  _run(GPU, {})
+  assert "forward" in capsys.readouterr().out
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_multihost_program_runs_in_two_processes(tmp_path):
+  program = tmp_path / "train.py"
+  program.write_text("\n".join(_blocks(MULTIHOST)))
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(COORDINATOR=f"localhost:{_free_port()}", NUM_PROCESSES="2")
+  procs = [
+    subprocess.Popen(
+      [sys.executable, str(program)],
+      env=dict(env, PROCESS_ID=str(i)),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  outputs = []
+  try:
+    for proc in procs:
+      outputs.append(proc.communicate(timeout=240)[0])
+  finally:
+    for proc in procs:
+      proc.kill()
+  for i, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+    assert proc.returncode == 0, out[-3000:]
+    assert f"process {i}: loss" in out, out[-3000:]
+  # One global loss: both processes print the same value.
+  losses = [re.search(r"loss ([\d.]+)", out).group(1) for out in outputs]
+  assert losses[0] == losses[1], outputs
 
 
 def test_minimal_example_runs_without_copying_the_table():
