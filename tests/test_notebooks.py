@@ -48,6 +48,7 @@ def test_notebooks_found():
     "from_jax_tpu_embedding.ipynb",
     "shakespeare.ipynb",
     "sharding_and_visualising.ipynb",
+    "your_own_model.ipynb",
   ]
 
 
