@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BUILD_DEPS := scikit-build-core nanobind jax==0.10.2 jaxlib==0.10.2
 SOURCES := pyproject.toml constraints.txt CMakeLists.txt $(wildcard csrc/*)
 
-.PHONY: demo test test-asan lint bench bench-large docs clean
+.PHONY: demo test test-asan lint bench bench-large docs readme-figure clean
 
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -76,6 +76,11 @@ bench: $(STAMP)
 # Needs about 12 GiB of free memory.
 bench-large: $(STAMP)
 	$(PY) benchmarks/large_table.py
+
+# The README's picture (docs/images/shakespeare.png) from the demo's run:
+# its shard map and heat map, drawn in headless Chromium.
+readme-figure: demo
+	$(PY) docs/readme_figure.py reports/shakespeare docs/images/shakespeare.png
 
 docs: $(STAMP)
 	$(VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html

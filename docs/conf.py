@@ -2,8 +2,11 @@
 
 Build with `make docs` (`sphinx-build -W --keep-going -b html docs
 docs/_build/html`): warnings are errors. Notebooks are rendered from
-`notebooks/` (linked as `docs/notebooks`) without executing them; they are
-executed by `tests/test_notebooks.py` instead.
+`notebooks/` (linked as `docs/notebooks`), executed at build time so that
+their outputs (Treescope figures included) are on the pages: a cell error
+fails the build. Executed notebooks are cached under
+`docs/_build/.jupyter_cache` and run again only when their code changes;
+`PZSC_DOCS_EXECUTE=force` runs them all (`off`: none).
 """
 
 from __future__ import annotations
@@ -31,8 +34,13 @@ extensions = [
 source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
 exclude_patterns = ["_build", "**.ipynb_checkpoints"]
 
-# Notebooks are stored without outputs and are not executed here.
-nb_execution_mode = "off"
+# Notebooks are stored without outputs and executed here (see above).
+nb_execution_mode = os.environ.get("PZSC_DOCS_EXECUTE", "cache")
+nb_execution_cache_path = os.path.join(
+  os.path.dirname(os.path.abspath(__file__)), "_build", ".jupyter_cache"
+)
+nb_execution_timeout = 300
+nb_execution_raise_on_error = True
 myst_enable_extensions = ["colon_fence", "dollarmath"]
 myst_heading_anchors = 3
 

@@ -8,15 +8,16 @@ This module adds the figures; each returns a `TreescopeFigure`, displayable
 in a notebook (`_repr_html_`) and turned into a standalone HTML fragment by
 `to_html`:
 
-* `shard_map_figure`: per stack, an image of `[devices x SparseCores]` rows
+* `shard_map_figure`: per stack, an image of `[devices x SparseCores]` bars
   (one per shard, in shard-major order, grouped by device) by the `V_shard`
-  rows of a shard, coloured by the member table that owns each row, with
-  padding rows in grey, and a legend (table, vocabulary, rows per shard,
-  rotation). Since every table occupies the same block of rows in every
-  shard, tables appear as vertical bands; padding shows where
-  `padded_vocab_size` exceeds the vocabulary. Treescope's own sharding view
-  cannot draw MOD sharding (its shards must be contiguous blocks); this
-  figure draws the physical order instead.
+  rows of a shard (in bins of rows beyond `MAX_COLUMNS`, so that the image
+  fits a page), coloured by the member table that owns each row, with
+  padding rows in grey, and a legend (what a bar and a cell are; per colour
+  the table, vocabulary, rows per shard, rotation). Since every table
+  occupies the same block of rows in every shard, tables appear as vertical
+  bands; padding shows where `padded_vocab_size` exceeds the vocabulary.
+  Treescope's own sharding view cannot draw MOD sharding (its shards must be
+  contiguous blocks); this figure draws the physical order instead.
 * `row_owner_figure`: for one logical table, the owner shard of each of its
   first rows (`(i % N + rotation) % N`, as a digit-box image) and a small
   table `id → shard, device, SparseCore, row in shard, physical row`.
@@ -76,8 +77,12 @@ TABLE_COLORS: tuple[tuple[int, int, int], ...] = (
 PADDING_COLOR = (210, 210, 210)
 """Colour of padding rows."""
 
-MAX_COLUMNS = 512
-"""Widest `shard_map_figure` image; longer shards are drawn in bins."""
+MAX_COLUMNS = 128
+"""Widest `shard_map_figure` image, in cells; longer shards are drawn in bins.
+
+128 cells of 7 px (the default cell size) make a 910-px image with its
+border, which fits a notebook cell or an HTML report 1280 px wide together
+with the axis labels, whatever the table size."""
 
 _LIMIT_RATIO_MAX = 2.0
 _UNDER_LIMIT_COLORS = ((26, 152, 80), (145, 207, 96), (254, 224, 139))
@@ -247,9 +252,10 @@ def _shard_map_image(
   max_columns: int,
   pixels_per_cell: int,
   device_axes: list[tuple[str, int]],
-) -> Figure:
+) -> tuple[Figure, int]:
   """The `[mesh axes..., SparseCore] x row` image of one stack's owner
-  tables, shards grouped by the mesh axes they live on."""
+  tables, shards grouped by the mesh axes they live on, and the rows per
+  cell (the bin size)."""
   s = plan.num_sc_per_device
   owner = _owner_index(stack, plan.num_shards)
   padding = len(stack.tables)
@@ -261,7 +267,7 @@ def _shard_map_image(
   colormap.append(PADDING_COLOR)
   k = len(device_axes)
   labels = {i: f"{name} ({size})" for i, (name, size) in enumerate(device_axes)}
-  return treescope.render_array(
+  image = treescope.render_array(
     values.reshape(*(size for _, size in device_axes), s, -1),
     rows=[k, *reversed(range(k))],
     columns=[k + 1],
@@ -274,6 +280,18 @@ def _shard_map_image(
     axis_labels={**labels, k: f"SparseCore ({s})", k + 1: row_label},
     pixels_per_cell=pixels_per_cell,
   )
+  return image, step
+
+
+def _shard_map_key(stack: StackPlan, step: int) -> list[str]:
+  """What the bars and cells of a shard map mean (above the colour legend)."""
+  cells = "one row" if step == 1 else f"{step} rows (grey if any is padding)"
+  return [
+    "each bar: one shard (a SparseCore of a device), its rows 0 to "
+    f"{stack.rows_per_shard - 1} left to right",
+    f"each cell: {cells}",
+    "colour: the table that owns the row (hover a cell for its indices)",
+  ]
 
 
 def shard_map_figure(
@@ -301,7 +319,9 @@ def shard_map_figure(
   Returns:
     A figure: per stack a heading, the `[device, SparseCore] x row` image
     (for a layer, the devices split into the mesh axes its tables are
-    sharded over, e.g. `data (2) x model (4)`) and the legend.
+    sharded over, e.g. `data (2) x model (4)`), at most `max_columns` cells
+    wide, and the legend: what a bar and a cell are, then per colour its
+    table.
 
   Raises:
     ValueError: On an unknown stack or missing topology.
@@ -310,18 +330,20 @@ def shard_map_figure(
   g, s, n = plan.num_devices, plan.num_sc_per_device, plan.num_shards
   parts: list[Any] = []
   for stack_plan in _stacks(plan, stack):
+    image, step = _shard_map_image(
+      plan,
+      stack_plan,
+      max_columns,
+      pixels_per_cell,
+      _device_axes(embed_or_specs, g),
+    )
     parts += [
       _heading(
         f"stack {stack_plan.name!r}: {n} shards ({g} devices x {s} SC), "
         f"{stack_plan.rows_per_shard} rows/shard x {stack_plan.dim}"
       ),
-      _shard_map_image(
-        plan,
-        stack_plan,
-        max_columns,
-        pixels_per_cell,
-        _device_axes(embed_or_specs, g),
-      ),
+      image,
+      *_shard_map_key(stack_plan, step),
       *_table_legend(stack_plan, n),
     ]
   return _lines(*parts)
@@ -520,10 +542,12 @@ def _stack_stats_parts(
   plan: plan_lib.Plan,
   pixels_per_cell: int,
 ) -> list[Any]:
-  """One stack's summary line, heat maps and over-limit list."""
+  """One stack's summary line, colour key, heat maps and over-limit list."""
   spec, name = stack.spec, stack.name
   parts: list[Any] = [
-    _heading(_treescope.stats_line(stats, name, spec, stack.coo_per_sc))
+    _heading(_treescope.stats_line(stats, name, spec, stack.coo_per_sc)),
+    "colour: count / limit, green (0) to yellow (at the limit), then orange "
+    "to dark red (twice the limit)",
   ]
   over = []
   for title, counts, limit in (
@@ -570,9 +594,10 @@ def stats_heatmap(
     pixels_per_cell: Cell size of the images.
 
   Returns:
-    A figure: per stack a summary line, two heat maps `[local device x
-    partition]` of count / limit (ids, unique ids) on a fixed scale where
-    red means over the limit, and the list of over-limit partitions.
+    A figure: per stack a summary line, the colour key, two heat maps
+    `[local device x partition]` of count / limit (ids, unique ids) on a
+    fixed scale where red means over the limit, and the list of over-limit
+    partitions.
 
   Raises:
     ValueError: If a stack of the stats is not in the specs.

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 
+import chromium
 import numpy as np
 import pytest
 
@@ -56,100 +57,23 @@ def test_too_many_devices_is_a_clear_error():
   assert "exceeds the 2 devices" in result.stderr
 
 
-def _chromium() -> str | None:
-  for name in ("chromium", "chromium-browser", "google-chrome"):
-    path = shutil.which(name)
-    if path:
-      return path
-  return None
-
-
-CHROME_FLAGS = [
-  "--headless",
-  "--no-sandbox",
-  "--disable-gpu",
-  "--disable-quic",
-  "--no-first-run",
-  "--disable-background-networking",
-  "--disable-component-update",
-  "--disable-sync",
-  "--allow-file-access-from-files",
-]
-
-# True once every Treescope output on the page has drawn: Treescope renders
-# into shadow DOM from animation frames once an output is visible, and drops
-# its loading markers when done.
-_DRAWN = """(() => {
-  const hosts = document.querySelectorAll("treescope-container");
-  if (hosts.length === 0) return false;
-  for (const host of hosts) {
-    const root = host.shadowRoot;
-    if (!root || root.childElementCount === 0) return false;
-    if (root.querySelector(".loading_message")) return false;
-    if (root.textContent.includes("(Loading...)")) return false;
-  }
-  return true;
-})()"""
-
-
-def _screenshot_when_drawn(chromium: str, url: str, profile) -> bytes:
+def _screenshot_when_drawn(browser: str, url: str, profile) -> bytes:
   """Loads `url` in headless Chromium, waits for Treescope, screenshots."""
   import base64
-  import json
-  import time
-  import urllib.request
 
-  import websocket
-
-  proc = subprocess.Popen(
-    [
-      chromium,
-      *CHROME_FLAGS,
-      f"--user-data-dir={profile}",
-      "--remote-debugging-port=0",
-      "--window-size=1200,1200",
-      "about:blank",
-    ],
-    stdout=subprocess.DEVNULL,
-    stderr=subprocess.DEVNULL,
-  )
-  try:
-    port_file = profile / "DevToolsActivePort"
-    deadline = time.monotonic() + 60
-    while not port_file.exists() or not port_file.read_text().strip():
-      assert time.monotonic() < deadline, "chromium did not start"
-      time.sleep(0.1)
-    port = port_file.read_text().split()[0]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list") as r:
-      pages = [t for t in json.load(r) if t["type"] == "page"]
-    ws = websocket.create_connection(
-      pages[0]["webSocketDebuggerUrl"], timeout=60
-    )
-    ids = iter(range(1, 10**6))
-
-    def call(method, **params):
-      message_id = next(ids)
-      ws.send(
-        json.dumps({"id": message_id, "method": method, "params": params})
-      )
-      while True:
-        reply = json.loads(ws.recv())
-        if reply.get("id") == message_id:
-          return reply.get("result", {})
-
+  with chromium.devtools(browser, profile, 1200, 1200) as call:
     call("Page.navigate", url=url)
-    while True:
-      result = call("Runtime.evaluate", expression=_DRAWN, returnByValue=True)
-      if result.get("result", {}).get("value") is True:
-        break
-      assert time.monotonic() < deadline, f"{url} did not finish drawing"
-      time.sleep(0.2)
-    shot = call("Page.captureScreenshot", format="png")["data"]
-    ws.close()
-    return base64.b64decode(shot)
-  finally:
-    proc.kill()
-    proc.wait()
+    chromium.wait_for(call, _loaded(url) + " && " + chromium.DRAWN)
+    return base64.b64decode(
+      call("Page.captureScreenshot", format="png")["data"]
+    )
+
+
+def _loaded(url: str) -> str:
+  """JavaScript: true once the page shows `url`, loaded."""
+  return (
+    f"location.href === {json.dumps(url)} && document.readyState === 'complete'"
+  )
 
 
 @pytest.fixture(scope="module")
@@ -180,15 +104,15 @@ def test_report_files(default_run):
 
 
 def test_report_renders_in_chromium(default_run, tmp_path):
-  chromium = _chromium()
-  if chromium is None:
+  browser = chromium.find()
+  if browser is None:
     pytest.skip("chromium is not installed")
   report, _ = default_run
   shot = tmp_path / "index.png"
   subprocess.run(
     [
-      chromium,
-      *CHROME_FLAGS,
+      browser,
+      *chromium.FLAGS,
       f"--user-data-dir={tmp_path / 'profile'}",
       "--window-size=1200,3000",
       "--virtual-time-budget=10000",
@@ -210,9 +134,127 @@ def test_report_renders_in_chromium(default_run, tmp_path):
     shot = tmp_path / (figure + ".png")
     shot.write_bytes(
       _screenshot_when_drawn(
-        chromium, (report / figure).as_uri(), tmp_path / ("p-" + figure)
+        browser, (report / figure).as_uri(), tmp_path / ("p-" + figure)
       )
     )
     rgb = np.asarray(Image.open(shot).convert("RGB"), dtype=np.int32)
     saturated = (rgb.max(-1) - rgb.min(-1)) > 60
     assert saturated.sum() > 2000, f"{figure} did not draw"
+
+
+# Draws every Treescope figure of the page (scrolling each, and each of its
+# visible arrays, into view: Treescope draws only what is on screen), then
+# measures the page. A drawn array is a canvas with coloured pixels; an
+# undrawn one still says "Rendering array...". Arrays inside collapsed nodes
+# of the model are not shown and not drawn.
+_LAYOUT = """(async () => {
+  const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+  const until = async (test) => {
+    for (let i = 0; i < 200 && !test(); i++) await sleep(50);
+    return test();
+  };
+  const coloured = (canvas) => {
+    const {data} = canvas.getContext("2d").getImageData(
+      0, 0, canvas.width, canvas.height);
+    let count = 0;
+    for (let i = 0; i < data.length; i += 4) {
+      const rgb = [data[i], data[i + 1], data[i + 2]];
+      count += Math.max(...rgb) - Math.min(...rgb) > 60;
+    }
+    return count;
+  };
+  const figures = {};
+  for (const host of document.querySelectorAll("treescope-container")) {
+    host.scrollIntoView();
+    const root = host.shadowRoot;
+    const loaded = await until(() => root.childElementCount > 0 &&
+      !root.textContent.includes("(Loading...)"));
+    const arrays = [...root.querySelectorAll(".arrayviz_container")]
+      .filter((a) => a.checkVisibility());
+    for (const a of arrays) {
+      a.scrollIntoView();
+      await until(() => a.querySelector("canvas") &&
+        !a.textContent.includes("Rendering array"));
+    }
+    // Treescope's root is as wide as its widest line or image.
+    const box = root.querySelector(".treescope_root").getBoundingClientRect();
+    figures[host.closest(".figure")?.id] = {
+      loaded,
+      width: box.width,
+      height: box.height,
+      arrays: arrays.map((a) => {
+        const canvas = a.querySelector("canvas");
+        const box = canvas ? canvas.getBoundingClientRect() : {};
+        return {
+          coloured: canvas ? coloured(canvas) : 0,
+          width: box.width,
+          height: box.height,
+        };
+      }),
+      rendering: [...root.querySelectorAll(".loading_message")]
+        .filter((m) => m.checkVisibility()).length,
+    };
+  }
+  // Elements and frames (in the page or in shadow DOM) that scroll inside
+  // the page: their content is larger than their box.
+  const scrolls = [];
+  const walk = (root) => {
+    for (const el of root.querySelectorAll("*")) {
+      const style = getComputedStyle(el);
+      const x = /auto|scroll/.test(style.overflowX) &&
+        el.scrollWidth > el.clientWidth;
+      const y = /auto|scroll/.test(style.overflowY) &&
+        el.scrollHeight > el.clientHeight;
+      if (x || y) scrolls.push(el.tagName + "." + el.className);
+      if (el.tagName === "IFRAME") {
+        const doc = el.contentDocument?.documentElement;
+        if (!doc || doc.scrollWidth > el.clientWidth ||
+            doc.scrollHeight > el.clientHeight) {
+          scrolls.push("IFRAME#" + el.id);
+        }
+      }
+      if (el.shadowRoot) walk(el.shadowRoot);
+    }
+  };
+  walk(document);
+  window.scrollTo(0, 0);
+  const page = document.documentElement;
+  return {
+    scrollWidth: page.scrollWidth,
+    innerWidth: window.innerWidth,
+    scrollHeight: page.scrollHeight,
+    images: [...document.images].map((img) => ({
+      src: img.getAttribute("src"),
+      loaded: img.complete && img.naturalWidth > 0,
+      width: img.width,
+      height: img.height,
+    })),
+    figures,
+    scrolls,
+  };
+})()"""
+
+
+def test_report_reads_well_at_1280_px(default_run, tmp_path):
+  browser = chromium.find()
+  if browser is None:
+    pytest.skip("chromium is not installed")
+  report, _ = default_run
+  url = (report / "index.html").as_uri()
+  with chromium.devtools(browser, tmp_path / "profile", 1280, 900) as call:
+    call("Page.navigate", url=url)
+    chromium.wait_for(call, _loaded(url))
+    page = chromium.evaluate(call, _LAYOUT)
+  assert page["scrollWidth"] <= page["innerWidth"], page
+  assert page["images"] and all(i["loaded"] for i in page["images"]), page
+  figures = page["figures"]
+  assert set(figures) == {"shards", "stats", "model"}, page
+  for name, figure in figures.items():
+    assert figure["loaded"] and figure["rendering"] == 0, (name, figure)
+    assert figure["width"] <= page["innerWidth"], (name, figure)
+    for array in figure["arrays"]:
+      assert array["coloured"] > 500, (name, figure)
+  # The shard map is one image; the stats two heat maps (ids, unique ids).
+  assert len(figures["shards"]["arrays"]) == 1, figures["shards"]
+  assert len(figures["stats"]["arrays"]) == 2, figures["stats"]
+  assert page["scrolls"] == [], page

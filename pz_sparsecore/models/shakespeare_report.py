@@ -3,12 +3,15 @@
 `write_report(directory, result)` writes:
 
 * `index.html`: the run's configuration and results, the loss curves, and
-  the Treescope figures (each in its own frame);
-* `loss.png`: training loss per step against the held-out loss and the
-  unigram baseline (matplotlib);
+  the Treescope figures, inline (each at its own size: no inner frame
+  scrolls, and the page needs nothing but its directory, offline);
+* `loss.png`: training loss per step, the held-out loss after the last step
+  and the unigram baseline (matplotlib);
 * `shards.html`: which rows of which table live on which device / SparseCore;
 * `stats.html`: the last batch's per-partition id counts against the limits;
 * `model.html`: the trained model as Treescope renders it.
+
+The last three are each one figure of `index.html` as a page of its own.
 """
 
 from __future__ import annotations
@@ -20,33 +23,61 @@ from typing import Any
 
 import numpy as np
 
+# Treescope writes a line unbroken (`white-space: pre` in its shadow DOM), so
+# a collapsed node of the model is one line thousands of pixels long: wrap
+# such lines at the page's width (`::part` styles reach the shadow root).
+_TREESCOPE_CSS = """
+treescope-container::part(treescope_root) {
+  white-space: pre-wrap; overflow-wrap: anywhere;
+}
+"""
+
+_FIGURE_PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<title>{title}</title>
+<style>{css}</style></head><body>
+{figure}
+</body></html>
+"""
+
 _PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <title>pz_sparsecore: Shakespeare run</title>
 <style>
-body {{ font-family: sans-serif; margin: 2em auto; max-width: 70em; }}
+body {{ font-family: sans-serif; margin: 2em auto; max-width: 70em;
+  padding: 0 1em; }}
 table {{ border-collapse: collapse; margin: 1em 0; }}
 td, th {{ border: 1px solid #ccc; padding: .2em .6em; text-align: left; }}
-iframe {{ width: 100%; border: 1px solid #ccc; }}
+img {{ max-width: 100%; height: auto; }}
+.figure {{ margin: 1em 0; }}
 .good {{ color: #060; }} .bad {{ color: #a00; }}
+{css}
 </style></head><body>
 <h1>Shakespeare next-word model on a SparseCore mesh</h1>
 <h2>Result</h2>
 {results}
 <h2>Loss</h2>
-<img id="loss-curve" src="loss.png" alt="training loss curve" width="800">
+<img id="loss-curve" src="loss.png" width="800" height="400"
+  alt="training loss per step, held-out loss after the last step, unigram
+  baseline">
 <h2>Where the table's rows live</h2>
-<iframe id="shards" src="shards.html" height="520"></iframe>
+<div class="figure" id="shards">{shards}</div>
 <h2>Ids per partition (last batch) against the limits</h2>
-<iframe id="stats" src="stats.html" height="420"></iframe>
+<div class="figure" id="stats">{stats}</div>
 <h2>FDO limit refreshes</h2>
 {fdo}
 <h2>Configuration</h2>
 {config}
 <h2>Model</h2>
-<iframe id="model" src="model.html" height="420"></iframe>
+<div class="figure" id="model">{model}</div>
 </body></html>
 """
+
+_FIGURE_TITLES = {
+  "shards": "Where the table's rows live",
+  "stats": "Ids per partition (last batch) against the limits",
+  "model": "The trained model",
+}
 
 
 def _table(rows: list[tuple[Any, ...]], header: tuple[str, ...]) -> str:
@@ -76,17 +107,39 @@ def _loss_plot(path: str, result: Any) -> None:
     lw=2,
     label=f"training loss ({window}-step mean)",
   )
-  ax.axhline(
-    result.heldout["loss"], color="#2ca02c", ls="--", label="held-out loss"
+  # Both held-out numbers are measured once, after training: the model's is
+  # a point at the last step; the unigram baseline does not train, so it is
+  # a level to compare with at every step.
+  last, heldout = len(losses) - 1, result.heldout["loss"]
+  ax.plot(
+    [last],
+    [heldout],
+    "o",
+    color="#2ca02c",
+    ms=7,
+    label=f"held-out loss after the last step: {heldout:.3f}",
   )
+  ax.annotate(
+    f"held-out {heldout:.3f}",
+    (last, heldout),
+    xytext=(-9, 0),
+    textcoords="offset points",
+    ha="right",
+    va="center",
+    color="#2ca02c",
+    bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none"},
+  )
+  baseline = result.baseline["loss"]
   ax.axhline(
-    result.baseline["loss"],
+    baseline,
     color="#d62728",
     ls=":",
-    label="unigram baseline (held-out)",
+    label=f"unigram baseline (held-out): {baseline:.3f}",
   )
-  for step, *_ in result.fdo_updates:
-    ax.axvline(step, color="#999", lw=0.5)
+  ax.margins(y=0.08)
+  for k, (step, *_) in enumerate(result.fdo_updates):
+    label = "FDO limit refresh" if k == 0 else None
+    ax.axvline(step, color="#999", lw=0.8, ls="--", label=label)
   ax.set_xlabel("step")
   ax.set_ylabel("cross-entropy (nats)")
   ax.legend(loc="upper right")
@@ -113,16 +166,21 @@ def write_report(directory: str | os.PathLike, result: Any) -> str:
   _loss_plot(os.path.join(directory, "loss.png"), result)
   embed = result.model.embed
   figures = {
-    "shards.html": viz.shard_map_figure(embed),
-    "stats.html": viz.stats_heatmap(result.last_stats, embed),
-    "model.html": result.model,
+    "shards": viz.to_html(viz.shard_map_figure(embed)),
+    "stats": viz.to_html(viz.stats_heatmap(result.last_stats, embed)),
+    "model": viz.to_html(result.model),
   }
   for name, figure in figures.items():
-    with open(os.path.join(directory, name), "w") as f:
-      f.write(viz.to_html(figure))
+    with open(os.path.join(directory, f"{name}.html"), "w") as f:
+      f.write(
+        _FIGURE_PAGE.format(
+          title=html.escape(_FIGURE_TITLES[name]),
+          css=_TREESCOPE_CSS,
+          figure=figure,
+        )
+      )
 
   h, b = result.heldout, result.baseline
-  beat = h["loss"] < b["loss"]
   steady = sorted(result.step_times[1:]) or result.step_times
   results = _table(
     [
@@ -131,12 +189,16 @@ def write_report(directory: str | os.PathLike, result: Any) -> str:
     ],
     ("metric", "model", "unigram baseline"),
   )
+  gap = b["loss"] - h["loss"]
+  outcome = (
+    f"beats the unigram baseline by {gap:.3f} nats"
+    if gap > 0
+    else f"does not beat the unigram baseline ({-gap:.3f} nats above it)"
+  )
   verdict = (
-    f'<p class="{"good" if beat else "bad"}" id="verdict">The model '
-    f"{'beats' if beat else 'does not beat'} the unigram baseline by "
-    f"{b['loss'] - h['loss']:.3f} nats. Median step "
-    f"{steady[len(steady) // 2] * 1e3:.1f} ms; ids dropped by the limits: "
-    f"{result.dropped_ids}.</p>"
+    f'<p class="{"good" if gap > 0 else "bad"}" id="verdict">The model '
+    f"{outcome}. Median step {steady[len(steady) // 2] * 1e3:.1f} ms; ids "
+    f"dropped by the limits: {result.dropped_ids}.</p>"
   )
   fdo = (
     _table(
@@ -151,5 +213,13 @@ def write_report(directory: str | os.PathLike, result: Any) -> str:
   )
   path = os.path.join(directory, "index.html")
   with open(path, "w") as f:
-    f.write(_PAGE.format(results=results + verdict, fdo=fdo, config=config))
+    f.write(
+      _PAGE.format(
+        css=_TREESCOPE_CSS,
+        results=results + verdict,
+        fdo=fdo,
+        config=config,
+        **figures,
+      )
+    )
   return path

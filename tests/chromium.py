@@ -1,0 +1,172 @@
+"""Headless Chromium for the tests that check pages as a reader sees them.
+
+`find()` is the browser's path (or None); `devtools(...)` opens a page in a
+headless browser and yields a function sending DevTools protocol commands;
+`evaluate(call, expression)` returns a JavaScript expression's value;
+`wait_for(call, expression)` polls one until it is true. `DRAWN` is true once
+every Treescope output on a page has drawn; `DRAW_ALL` scrolls each output
+and each of its visible arrays into view (Treescope draws only what is on
+screen), waits for it, and says what did not draw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+import time
+
+FLAGS = [
+  "--headless",
+  "--no-sandbox",
+  "--disable-gpu",
+  "--disable-quic",
+  "--no-first-run",
+  "--disable-background-networking",
+  "--disable-component-update",
+  "--disable-sync",
+  "--allow-file-access-from-files",
+]
+
+# True once every Treescope output on the page has drawn: Treescope renders
+# into shadow DOM from animation frames once an output is visible, and drops
+# its loading markers when done.
+DRAWN = """(() => {
+  const hosts = document.querySelectorAll("treescope-container");
+  if (hosts.length === 0) return false;
+  for (const host of hosts) {
+    const root = host.shadowRoot;
+    if (!root || root.childElementCount === 0) return false;
+    if (root.querySelector(".loading_message")) return false;
+    if (root.textContent.includes("(Loading...)")) return false;
+    if (root.textContent.includes("Rendering array")) return false;
+  }
+  return true;
+})()"""
+
+
+DRAW_ALL = """(async () => {
+  const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+  const until = async (test) => {
+    for (let i = 0; i < 200 && !test(); i++) await sleep(50);
+    return test();
+  };
+  const undrawn = [];
+  const hosts = [...document.querySelectorAll("treescope-container")];
+  for (const [i, host] of hosts.entries()) {
+    host.scrollIntoView();
+    const root = host.shadowRoot;
+    const drawn = await until(() => root && root.childElementCount > 0 &&
+      !root.textContent.includes("(Loading...)"));
+    if (!drawn) { undrawn.push(`output ${i}`); continue; }
+    const arrays = [...root.querySelectorAll(".arrayviz_container")]
+      .filter((a) => a.checkVisibility());
+    for (const a of arrays) {
+      a.scrollIntoView();
+      const ok = await until(() => a.querySelector("canvas") &&
+        !a.textContent.includes("Rendering array"));
+      if (!ok) undrawn.push(`array of output ${i}`);
+    }
+  }
+  window.scrollTo(0, 0);
+  return {outputs: hosts.length, undrawn};
+})()"""
+
+
+def find() -> str | None:
+  """The path of a Chromium-like browser, or None."""
+  for name in ("chromium", "chromium-browser", "google-chrome"):
+    path = shutil.which(name)
+    if path:
+      return path
+  return None
+
+
+@contextlib.contextmanager
+def devtools(chromium: str, profile, width: int, height: int):
+  """Headless Chromium showing about:blank in a `width` x `height` window.
+
+  Yields `call(method, **params)`, which sends one DevTools protocol command
+  to the page and returns its result; events that arrive meanwhile are kept
+  in `call.events` (a list of `(method, params)`).
+  """
+  import urllib.request
+
+  import websocket
+
+  proc = subprocess.Popen(
+    [
+      chromium,
+      *FLAGS,
+      f"--user-data-dir={profile}",
+      "--remote-debugging-port=0",
+      f"--window-size={width},{height}",
+      "about:blank",
+    ],
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
+  try:
+    port_file = profile / "DevToolsActivePort"
+    deadline = time.monotonic() + 60
+    while not port_file.exists() or not port_file.read_text().strip():
+      assert time.monotonic() < deadline, "chromium did not start"
+      time.sleep(0.1)
+    port = port_file.read_text().split()[0]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list") as r:
+      pages = [t for t in json.load(r) if t["type"] == "page"]
+    ws = websocket.create_connection(
+      pages[0]["webSocketDebuggerUrl"], timeout=60
+    )
+    ids = iter(range(1, 10**6))
+
+    def call(method, **params):
+      message_id = next(ids)
+      ws.send(
+        json.dumps({"id": message_id, "method": method, "params": params})
+      )
+      while True:
+        reply = json.loads(ws.recv())
+        if reply.get("id") == message_id:
+          return reply.get("result", {})
+        if "method" in reply:
+          call.events.append((reply["method"], reply.get("params", {})))
+
+    call.events = []
+    yield call
+    ws.close()
+  finally:
+    proc.kill()
+    proc.wait()
+
+
+def evaluate(call, expression: str):
+  """The value of a JavaScript expression on the page (promises awaited)."""
+  result = call(
+    "Runtime.evaluate",
+    expression=expression,
+    returnByValue=True,
+    awaitPromise=True,
+  )
+  assert "exceptionDetails" not in result, result["exceptionDetails"]
+  return result["result"].get("value")
+
+
+def wait_for(call, expression: str, timeout: float = 60) -> None:
+  """Polls `expression` on the page until it is true."""
+  deadline = time.monotonic() + timeout
+  while not evaluate(call, expression):
+    assert time.monotonic() < deadline, f"timed out waiting for {expression}"
+    time.sleep(0.25)
+
+
+def console_errors(call) -> list[str]:
+  """The JavaScript errors the page reported so far (Runtime domain on)."""
+  errors = []
+  for method, params in call.events:
+    if method == "Runtime.exceptionThrown":
+      errors.append(params["exceptionDetails"].get("text", "exception"))
+    elif method == "Runtime.consoleAPICalled" and params["type"] == "error":
+      errors.append(" ".join(str(a.get("value")) for a in params["args"]))
+  return errors
