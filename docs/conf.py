@@ -55,6 +55,9 @@ autodoc_default_options = {"members": True, "show-inheritance": True}
 nitpicky = False
 
 html_theme = "furo"
+# Treescope outputs wrap at the column's width (see the file).
+html_static_path = ["_static"]
+html_css_files = ["treescope.css"]
 html_title = "pz_sparsecore"
 # Attributes sections as `:ivar:` fields: autodoc also documents NamedTuple
 # fields as attributes, and two attribute directives for one name are a

@@ -5,8 +5,9 @@ Chromium.
 The build runs every notebook top to bottom (a cell error fails it) in a
 kernel of this interpreter, and renders the outputs on the pages. Each
 notebook page must then show every Treescope figure drawn, with no
-JavaScript error in the console; each notebook must have run in under
-2 minutes (the execution table on the notebooks page).
+JavaScript error in the console, and fit a 1280-px window without
+scrolling sideways; each notebook must have run in under 2 minutes (the
+execution table on the notebooks page).
 """
 
 from __future__ import annotations
@@ -120,6 +121,10 @@ def test_notebook_page_shows_its_figures(built, name, tmp_path):
     assert drawn["undrawn"] == [], (name, drawn)
     if "treescope" in html:
       assert drawn["outputs"] > 0, name
+    width = chromium.evaluate(
+      call, "[document.documentElement.scrollWidth, window.innerWidth]"
+    )
+    assert width[0] <= width[1], f"{name}: the page scrolls sideways {width}"
     text = chromium.evaluate(call, "document.body.innerText")
     assert "Rendering array" not in text
     assert "Traceback" not in text
