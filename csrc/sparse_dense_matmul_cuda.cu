@@ -59,7 +59,6 @@ namespace {
 
 constexpr int kWarpSize = 32;
 constexpr int kThreadsPerBlock = 256;
-constexpr int kWarpsPerBlock = kThreadsPerBlock / kWarpSize;
 // Output elements each lane keeps in registers while it walks a run.
 constexpr int kRegs = 4;
 // Positions summed by one warp: runs longer than this are cut into chunks.
