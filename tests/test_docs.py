@@ -117,6 +117,16 @@ def test_notebook_page_shows_its_figures(built, name, tmp_path):
     call("Page.enable")
     call("Page.navigate", url=page.as_uri())
     chromium.wait_for(call, "document.readyState === 'complete'")
+    # A window as tall as the page (1280 px wide): every output is on
+    # screen, so Treescope draws them all without waiting for scrolls.
+    height = chromium.evaluate(call, "document.documentElement.scrollHeight")
+    call(
+      "Emulation.setDeviceMetricsOverride",
+      width=1280,
+      height=min(height, 16000),
+      deviceScaleFactor=1,
+      mobile=False,
+    )
     drawn = chromium.evaluate(call, chromium.DRAW_ALL)
     assert drawn["undrawn"] == [], (name, drawn)
     if "treescope" in html:
