@@ -142,17 +142,11 @@ def test_report_renders_in_chromium(default_run, tmp_path):
     assert saturated.sum() > 2000, f"{figure} did not draw"
 
 
-# Draws every Treescope figure of the page (scrolling each, and each of its
-# visible arrays, into view: Treescope draws only what is on screen), then
-# measures the page. A drawn array is a canvas with coloured pixels; an
-# undrawn one still says "Rendering array...". Arrays inside collapsed nodes
-# of the model are not shown and not drawn.
-_LAYOUT = """(async () => {
-  const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
-  const until = async (test) => {
-    for (let i = 0; i < 200 && !test(); i++) await sleep(50);
-    return test();
-  };
+# Measures the page once `chromium.DRAW_ALL` has drawn every Treescope figure
+# and each of its visible arrays. A drawn array is a canvas with coloured
+# pixels; an undrawn one still says "Rendering array...". Arrays inside
+# collapsed nodes of the model are not shown and not drawn.
+_LAYOUT = """(() => {
   const coloured = (canvas) => {
     const {data} = canvas.getContext("2d").getImageData(
       0, 0, canvas.width, canvas.height);
@@ -165,17 +159,11 @@ _LAYOUT = """(async () => {
   };
   const figures = {};
   for (const host of document.querySelectorAll("treescope-container")) {
-    host.scrollIntoView();
     const root = host.shadowRoot;
-    const loaded = await until(() => root.childElementCount > 0 &&
-      !root.textContent.includes("(Loading...)"));
+    const loaded = root.childElementCount > 0 &&
+      !root.textContent.includes("(Loading...)");
     const arrays = [...root.querySelectorAll(".arrayviz_container")]
       .filter((a) => a.checkVisibility());
-    for (const a of arrays) {
-      a.scrollIntoView();
-      await until(() => a.querySelector("canvas") &&
-        !a.textContent.includes("Rendering array"));
-    }
     // Treescope's root is as wide as its widest line or image.
     const box = root.querySelector(".treescope_root").getBoundingClientRect();
     figures[host.closest(".figure")?.id] = {
@@ -244,6 +232,7 @@ def test_report_reads_well_at_1280_px(default_run, tmp_path):
   with chromium.devtools(browser, tmp_path / "profile", 1280, 900) as call:
     call("Page.navigate", url=url)
     chromium.wait_for(call, _loaded(url))
+    chromium.evaluate(call, chromium.DRAW_ALL)
     page = chromium.evaluate(call, _LAYOUT)
   assert page["scrollWidth"] <= page["innerWidth"], page
   assert page["images"] and all(i["loaded"] for i in page["images"]), page
