@@ -66,25 +66,24 @@ def get_default_limits(name: str, batch_size: int) -> int:
 
 def _feature_leaves(feature_specs: Any) -> list[FeatureSpec]:
   leaves = jax.tree.leaves(feature_specs)
-  names = collections.Counter()
   for leaf in leaves:
     if not isinstance(leaf, FeatureSpec):
       raise ValueError(
         f"expected FeatureSpec leaves, got {type(leaf).__name__}"
       )
-    names[leaf.name] += 1
-  repeated = [n for n, c in names.items() if c > 1]
-  if repeated:
-    raise ValueError(f"feature names must be unique; repeated: {repeated}")
   return leaves
 
 
-def get_table_specs(feature_specs: Any) -> dict[str, TableSpec]:
-  """The tables of `feature_specs` by name, in first-appearance order.
+def check_feature_names(feature_specs: Any) -> None:
+  """Raises if two features share a name (the message is upstream's)."""
+  seen = set()
+  for feature in _feature_leaves(feature_specs):
+    if feature.name in seen:
+      raise ValueError(f"Feature spec {feature.name} is already defined.")
+    seen.add(feature.name)
 
-  Raises:
-    ValueError: If two different tables share a name.
-  """
+
+def _tables(feature_specs: Any) -> dict[str, TableSpec]:
   tables: dict[str, TableSpec] = {}
   for feature in _feature_leaves(feature_specs):
     table = feature.table_spec
@@ -97,14 +96,25 @@ def get_table_specs(feature_specs: Any) -> dict[str, TableSpec]:
   return tables
 
 
+def get_table_specs(feature_specs: Any) -> dict[str, TableSpec]:
+  """The tables of `feature_specs` by name, in first-appearance order.
+
+  Raises:
+    ValueError: If two features share a name, or two different tables do.
+  """
+  check_feature_names(feature_specs)
+  return _tables(feature_specs)
+
+
 def get_stacked_table_specs(feature_specs: Any) -> dict[str, StackedTableSpec]:
   """The stacks of prepared `feature_specs` by stack name.
 
   Raises:
     ValueError: If the specs were not prepared for training.
   """
+  check_feature_names(feature_specs)
   stacks: dict[str, StackedTableSpec] = {}
-  for table in get_table_specs(feature_specs).values():
+  for table in _tables(feature_specs).values():
     if table.stacked_table_spec is None:
       raise ValueError(
         f"table {table.name!r} is not prepared; call "
@@ -204,7 +214,7 @@ def stack_tables(
   if not table_names:
     raise ValueError("stack_tables needs at least one table name")
   stack_name = stack_name or _stack_name(table_names, True)
-  tables = get_table_specs(feature_specs)
+  tables = _tables(feature_specs)
   _check_stackable(tables, table_names, stack_name)
   members = [tables[name] for name in table_names]
   stack_dim = _stack_width(members, stack_name, fail_on_excess_padding)
@@ -245,9 +255,7 @@ def _check_stackable(
   """Raises unless the named tables can form a new stack `stack_name`."""
   repeated = [t for t, c in collections.Counter(table_names).items() if c > 1]
   if repeated:
-    raise ValueError(
-      f"table {repeated[0]!r} is repeated in stack {stack_name!r}"
-    )
+    raise ValueError(f"Table {repeated[0]} is repeated in group {stack_name}.")
   for name in table_names:
     if name not in tables:
       raise ValueError(f"stack {stack_name!r}: unknown table {name!r}")
@@ -404,7 +412,7 @@ def auto_stack_tables(
   """
   n = num_shards(global_device_count, num_sc_per_device)
   features = _feature_leaves(feature_specs)
-  tables = get_table_specs(feature_specs)
+  tables = _tables(feature_specs)
   samples: dict[str, int] = collections.Counter()
   for feature in features:
     samples[feature.table_spec.name] += feature.sample_count // n
@@ -423,30 +431,59 @@ def auto_stack_tables(
     return round_up(tables[name].embedding_dim) * samples[name] * 4
 
   result = feature_specs
-  for group in groups.values():
+  memory = {name: mem_bytes(name) for name in tables}
+  split = split_groups_by_memory_limit(
+    list(groups.values()), memory, activation_mem_bytes_limit
+  )
+  for stack in split:
+    result = stack_tables(
+      result,
+      stack,
+      global_device_count,
+      num_sc_per_device,
+      rotation=rotation,
+      stack_to_max_ids_per_partition=stack_to_max_ids_per_partition,
+      stack_to_max_unique_ids_per_partition=(
+        stack_to_max_unique_ids_per_partition
+      ),
+      stack_name=_stack_name(stack, use_short_stack_names),
+    )
+  return result
+
+
+def split_groups_by_memory_limit(
+  groups: Sequence[Sequence[str]],
+  table_to_activation_mem_bytes: Mapping[str, int],
+  activation_mem_bytes_limit: int,
+) -> list[list[str]]:
+  """Splits each group of table names so no part exceeds the memory limit.
+
+  Tables are placed greedily, in order, into the first part of their group
+  with room (a table above the limit on its own gets a part of its own).
+
+  Args:
+    groups: Groups of table names.
+    table_to_activation_mem_bytes: Activation bytes per SparseCore of each
+      table.
+    activation_mem_bytes_limit: The most bytes one part may hold.
+
+  Returns:
+    The parts, group by group.
+  """
+  parts: list[list[str]] = []
+  for group in groups:
     split: list[list[str]] = []
     for name in group:
+      need = table_to_activation_mem_bytes[name]
       for candidate in split:
-        total = sum(mem_bytes(t) for t in candidate) + mem_bytes(name)
-        if total <= activation_mem_bytes_limit:
+        total = sum(table_to_activation_mem_bytes[t] for t in candidate)
+        if total + need <= activation_mem_bytes_limit:
           candidate.append(name)
           break
       else:
         split.append([name])
-    for stack in split:
-      result = stack_tables(
-        result,
-        stack,
-        global_device_count,
-        num_sc_per_device,
-        rotation=rotation,
-        stack_to_max_ids_per_partition=stack_to_max_ids_per_partition,
-        stack_to_max_unique_ids_per_partition=(
-          stack_to_max_unique_ids_per_partition
-        ),
-        stack_name=_stack_name(stack, use_short_stack_names),
-      )
-  return result
+    parts.extend(split)
+  return parts
 
 
 def prepare_feature_specs_for_training(
@@ -472,7 +509,7 @@ def prepare_feature_specs_for_training(
   """
   n = num_shards(global_device_count, num_sc_per_device)
   features = _feature_leaves(feature_specs)
-  tables = get_table_specs(feature_specs)
+  tables = _tables(feature_specs)
   by_table: dict[str, list[FeatureSpec]] = collections.defaultdict(list)
   for feature in features:
     by_table[feature.table_spec.name].append(feature)

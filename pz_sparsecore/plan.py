@@ -203,15 +203,11 @@ def _flatten_specs(feature_specs: Any) -> tuple[list[FeatureSpec], Any]:
   )
   if not leaves:
     raise ValueError("feature_specs holds no FeatureSpec")
-  names = set()
   for leaf in leaves:
     if not isinstance(leaf, FeatureSpec):
       raise ValueError(
         f"feature_specs must hold FeatureSpec leaves, got {type(leaf).__name__}"
       )
-    if leaf.name in names:
-      raise ValueError(f"feature name {leaf.name!r} is used twice")
-    names.add(leaf.name)
     table = leaf.table_spec
     if table.stacked_table_spec is None or leaf.id_transformation is None:
       raise ValueError(
@@ -225,7 +221,7 @@ def _flatten_specs(feature_specs: Any) -> tuple[list[FeatureSpec], Any]:
 def _check_stack(
   features: list[FeatureSpec], stacked: StackedTableSpec, g: int, s: int
 ) -> None:
-  """Checks that a stack was prepared for `g x s` shards and adds up."""
+  """Checks that a stack's table was laid out for `g x s` shards."""
   name, n = stacked.stack_name, g * s
   if stacked.stack_vocab_size % n:
     raise ValueError(
@@ -263,10 +259,14 @@ def _feature_plan(spec: FeatureSpec, n: int) -> FeaturePlan:
   )
 
 
-def _stack_plan(features: list[FeatureSpec], g: int, s: int) -> StackPlan:
+def _stack_plan(
+  features: list[FeatureSpec], g: int, s: int, for_tables: bool
+) -> StackPlan:
   stacked = features[0].table_spec.stacked_table_spec
-  _check_stack(features, stacked, g, s)
+  if for_tables:
+    _check_stack(features, stacked, g, s)
   n = g * s
+  samples = sum(f.sample_count for f in features)
   coo = buffer_format.coo_buffer_size_per_device(
     stacked.stack_name,
     stacked.max_ids_per_partition,
@@ -280,7 +280,7 @@ def _stack_plan(features: list[FeatureSpec], g: int, s: int) -> StackPlan:
     tables=tuple(layout.get_table_stacks(features)[stacked.stack_name]),
     features=tuple(_feature_plan(f, n) for f in features),
     rows_per_shard=stacked.stack_vocab_size // n,
-    samples_per_sc=stacked.total_sample_count // n,
+    samples_per_sc=samples // n,
     row_pointers_per_sc=buffer_format.row_pointers_per_sc(n),
     coo_per_device=coo,
     coo_per_sc=coo // s,
@@ -292,7 +292,11 @@ def _stack_plan(features: list[FeatureSpec], g: int, s: int) -> StackPlan:
 
 
 def _build(
-  leaves: tuple[FeatureSpec, ...], treedef: Any, g: int, s: int
+  leaves: tuple[FeatureSpec, ...],
+  treedef: Any,
+  g: int,
+  s: int,
+  for_tables: bool = True,
 ) -> Plan:
   by_stack: dict[str, list[FeatureSpec]] = {}
   for spec in leaves:
@@ -303,12 +307,18 @@ def _build(
     treedef=treedef,
     num_devices=g,
     num_sc_per_device=s,
-    stacks=tuple(_stack_plan(group, g, s) for group in by_stack.values()),
+    stacks=tuple(
+      _stack_plan(group, g, s, for_tables) for group in by_stack.values()
+    ),
   )
 
 
 def build(
-  feature_specs: Any, global_device_count: int, num_sc_per_device: int
+  feature_specs: Any,
+  global_device_count: int,
+  num_sc_per_device: int,
+  *,
+  for_tables: bool = True,
 ) -> Plan:
   """The plan of prepared `feature_specs` on `G x S` SparseCores.
 
@@ -319,22 +329,26 @@ def build(
       `layout.prepare_feature_specs_for_training`.
     global_device_count: G, devices the tables are sharded over.
     num_sc_per_device: S, (virtual) SparseCores per device.
+    for_tables: Whether the plan sizes tables (the layer, the kernels): then
+      every stack's vocabulary must split over the shards as prepared for
+      this topology and `total_sample_count` must add up. Preprocessing
+      needs neither (as upstream's), and passes False.
 
   Returns:
     The frozen, hashable plan.
 
   Raises:
-    ValueError: On a bad topology, specs that are not prepared (or were
-      prepared for another topology), repeated names, or a suggested buffer
-      size above the theoretical maximum.
+    ValueError: On a bad topology, specs that are not prepared (or, with
+      `for_tables`, were prepared for another topology), or a suggested
+      buffer size above the theoretical maximum.
   """
   buffer_format.num_shards(global_device_count, num_sc_per_device)
   g, s = int(global_device_count), int(num_sc_per_device)
   leaves, treedef = _flatten_specs(feature_specs)
   try:
-    return _cached_build(tuple(leaves), treedef, g, s)
+    return _cached_build(tuple(leaves), treedef, g, s, for_tables)
   except TypeError:  # A spec holds something unhashable: plan afresh.
-    return _build(tuple(leaves), treedef, g, s)
+    return _build(tuple(leaves), treedef, g, s, for_tables)
 
 
 _cached_build = functools.lru_cache(maxsize=64)(_build)

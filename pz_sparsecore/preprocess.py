@@ -141,10 +141,56 @@ class SparseDenseMatmulInputStats:
     id_drop_counters: The number of raw ids dropped (limits or overflow).
   """
 
-  max_ids_per_partition: dict[str, Any]
-  max_unique_ids_per_partition: dict[str, Any]
-  required_buffer_size_per_sc: dict[str, Any]
-  id_drop_counters: dict[str, Any]
+  max_ids_per_partition: dict[str, Any] = dataclasses.field(
+    default_factory=dict
+  )
+  max_unique_ids_per_partition: dict[str, Any] = dataclasses.field(
+    default_factory=dict
+  )
+  required_buffer_size_per_sc: dict[str, Any] = dataclasses.field(
+    default_factory=dict
+  )
+  id_drop_counters: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def get_required_buffer_size_per_device(
+    self, stack_name: str, num_sc_per_device: int | None = None
+  ) -> int | None:
+    """COO entries one device needs for `stack_name`, or None if unknown.
+
+    The largest per-SparseCore need times the SparseCores per device
+    (`num_sc_per_device`, by default the number of recorded values).
+    """
+    if stack_name not in self.required_buffer_size_per_sc:
+      return None
+    values = np.asarray(self.required_buffer_size_per_sc[stack_name])
+    num_sc = num_sc_per_device or values.size
+    return int(np.max(values) * num_sc) if values.size else None
+
+  def set_required_buffer_size_per_device(
+    self,
+    stack_name: str,
+    required_buffer_size_per_device: int,
+    num_sc_per_device: int | None = None,
+  ) -> None:
+    """Records `required_buffer_size_per_device` for `stack_name`.
+
+    Stored per SparseCore (the size divided evenly over `num_sc_per_device`
+    values, by default as many as already recorded for the stack).
+
+    Raises:
+      ValueError: If the stack has no recorded value and `num_sc_per_device`
+        is not given.
+    """
+    current = self.required_buffer_size_per_sc.get(stack_name)
+    num_sc = num_sc_per_device or (0 if current is None else np.size(current))
+    if not num_sc:
+      raise ValueError(
+        f"stack {stack_name!r}: pass num_sc_per_device, the stats have no "
+        "required_buffer_size_per_sc for it yet"
+      )
+    self.required_buffer_size_per_sc[stack_name] = np.full(
+      num_sc, required_buffer_size_per_device / num_sc
+    )
 
   def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
     from pz_sparsecore import _treescope
@@ -173,7 +219,9 @@ def compute_coo_buffer_size_per_device(
     ValueError: If the specs are not prepared or a suggested size exceeds
       the theoretical maximum.
   """
-  plan = plan_lib.build(feature_specs, global_device_count, num_sc_per_device)
+  plan = plan_lib.build(
+    feature_specs, global_device_count, num_sc_per_device, for_tables=False
+  )
   return {stack.name: stack.coo_per_device for stack in plan.stacks}
 
 
@@ -199,7 +247,9 @@ def eval_preprocess_sparse_dense_matmul_input_shape(
   """
   _check_topology(local_device_count, global_device_count, num_sc_per_device)
   return input_shapes(
-    plan_lib.build(feature_specs, global_device_count, num_sc_per_device),
+    plan_lib.build(
+      feature_specs, global_device_count, num_sc_per_device, for_tables=False
+    ),
     local_device_count,
     has_leading_dimension=has_leading_dimension,
   )
@@ -313,7 +363,9 @@ def preprocess_sparse_dense_matmul_input(
     )
   _check_topology(local_device_count, global_device_count, num_sc_per_device)
   return preprocess_for_plan(
-    plan_lib.build(feature_specs, global_device_count, num_sc_per_device),
+    plan_lib.build(
+      feature_specs, global_device_count, num_sc_per_device, for_tables=False
+    ),
     features,
     features_weights,
     local_device_count,

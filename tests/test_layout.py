@@ -386,10 +386,15 @@ def test_excess_padding():
 
 def test_duplicate_names():
   t = _table("t", 8, 8)
-  with pytest.raises(ValueError, match="unique"):
-    layout.prepare_feature_specs_for_training(
-      [_feature("f", t, 8), _feature("f", t, 4)], 1, 1
-    )
+  # Stacking accepts repeated feature names (as upstream); the lookups of
+  # get_table_specs / get_stacked_table_specs refuse them, in upstream's words.
+  twice = layout.prepare_feature_specs_for_training(
+    [_feature("f", t, 8), _feature("f", t, 4)], 1, 1
+  )
+  with pytest.raises(ValueError, match="Feature spec f is already defined."):
+    layout.get_table_specs(twice)
+  with pytest.raises(ValueError, match="Feature spec f is already defined."):
+    layout.get_stacked_table_specs(twice)
   other = _table("t", 16, 8)
   with pytest.raises(ValueError, match="different TableSpecs"):
     layout.prepare_feature_specs_for_training(

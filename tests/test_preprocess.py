@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from reference_preprocess import reference_preprocess
 
 from pz_sparsecore import layout
+from pz_sparsecore import plan as plan_lib
 from pz_sparsecore import preprocess as pp
 from pz_sparsecore import specs as sp
 
@@ -839,15 +840,17 @@ def test_bad_configuration_raises():
   unprepared = {"f": make_feature("f", make_table("t", 16), 4)}
   with pytest.raises(ValueError, match="feature 'f'.*not prepared"):
     call({"f": EXAMPLE_IDS}, specs=unprepared)
+  # Prepared for 2 shards, used with 4: preprocessing uses neither the padded
+  # vocabulary nor total_sample_count (as upstream); tables need the match.
+  call(
+    {"f": np.zeros((4, 1), np.int32)},
+    specs=example_specs(),
+    local=1,
+    global_=1,
+    num_sc_per_device=4,
+  )
   with pytest.raises(ValueError, match="another topology"):
-    # Prepared for 2 shards, used with 4.
-    call(
-      {"f": np.zeros((4, 1), np.int32)},
-      specs=example_specs(),
-      local=1,
-      global_=1,
-      num_sc_per_device=4,
-    )
+    plan_lib.build(example_specs(), 1, 4)
   table = make_table("t", 16, max_ids=8, suggested=100)
   specs = layout.prepare_feature_specs_for_training(
     {"f": make_feature("f", table, 4)}, 2, 1

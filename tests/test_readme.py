@@ -26,6 +26,7 @@ GETTING_STARTED = DOCS / "getting_started.md"
 CONCEPTS = DOCS / "concepts.md"
 MULTIHOST = DOCS / "multihost.md"
 GPU = DOCS / "gpu.md"
+COMPAT = DOCS / "compat.md"
 
 # Pages with Python blocks -> how many; each is run by a test below.
 RUN_HERE = {
@@ -34,6 +35,7 @@ RUN_HERE = {
   CONCEPTS: 2,
   MULTIHOST: 2,
   GPU: 1,
+  COMPAT: 1,
 }
 
 
@@ -90,6 +92,16 @@ def test_getting_started_then_concepts_run_top_to_bottom():
 def test_gpu_page_snippet_runs(capsys):
   _run(GPU, {})
   assert "forward" in capsys.readouterr().out
+
+
+def test_compat_page_program_runs(capsys, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  (block,) = _blocks(COMPAT)
+  block = block.replace("/tmp/pzsc_compat_fdo", str(tmp_path / "fdo"))
+  exec(compile(block, str(COMPAT), "exec"), {})
+  limit, num_sparsecores = capsys.readouterr().out.split()
+  assert 1 <= int(limit) < 256  # FDO lowered the default limit
+  assert int(num_sparsecores) == 32
 
 
 def _free_port() -> int:

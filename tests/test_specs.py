@@ -198,21 +198,46 @@ def test_non_positive_sizes(field, value):
     _table(**{field: value})
 
 
-def test_quantization_config_rejected():
+def test_quantization_config_must_be_a_config():
   with pytest.raises(ValueError, match="quantization"):
     _table(quantization_config=object())
 
 
-def test_output_dim_exceeds_embedding_dim():
+def test_output_dim_exceeds_embedding_dim_refused_by_the_layer():
+  # Accepted in a spec (upstream checks it only when activations are
+  # unstacked); the layer, which makes the activations, refuses it.
+  from jax.sharding import Mesh
+
+  from pz_sparsecore import SparseCoreEmbed
+
   table = _table(embedding_dim=8)
-  FeatureSpec(name="ok", table_spec=table, input_shape=[4], output_shape=[4, 8])
-  FeatureSpec(
-    name="narrow", table_spec=table, input_shape=[4], output_shape=[4, 5]
+  wide = FeatureSpec(
+    name="f", table_spec=table, input_shape=[8], output_shape=[8, 9]
   )
-  with pytest.raises(ValueError, match="output_shape"):
-    FeatureSpec(
-      name="f", table_spec=table, input_shape=[4], output_shape=[4, 9]
-    )
+  mesh = Mesh(np.array(jax.devices()[:1]), ("device",))
+  with pytest.raises(ValueError, match=r"feature 'f': output_shape\[-1\]=9"):
+    SparseCoreEmbed.from_config("e", jax.random.key(0), [wide], mesh)
+  ok = wide.replace(output_shape=[8, 8])
+  embed = SparseCoreEmbed.from_config("e", jax.random.key(0), [ok], mesh)
+  assert embed is not None
+
+
+def test_quantized_table_refused_by_the_layer():
+  from jax.sharding import Mesh
+
+  from pz_sparsecore import QuantizationConfig, SparseCoreEmbed
+
+  config = QuantizationConfig(min_value=-1.0, max_value=1.0, num_buckets=16)
+  table = _table(embedding_dim=8, quantization_config=config)
+  assert table.quantization_config.as_tuple() == (-1.0, 1.0, 16)
+  feature = FeatureSpec(
+    name="q", table_spec=table, input_shape=[8], output_shape=[8, 8]
+  )
+  mesh = Mesh(np.array(jax.devices()[:1]), ("device",))
+  with pytest.raises(ValueError, match="feature 'q'.*quantization_config"):
+    SparseCoreEmbed.from_config("e", jax.random.key(0), [feature], mesh)
+  with pytest.raises(ValueError, match="num_buckets must be >= 2"):
+    QuantizationConfig(min_value=0.0, max_value=1.0, num_buckets=1)
 
 
 def test_feature_sample_count():

@@ -137,8 +137,21 @@ def _make_config(
 ) -> EmbedConfig:
   """Prepares the specs for the topology and plans them."""
   g, s = topology.num_devices, topology.num_sc_per_device
+  layout.check_feature_names(feature_specs)
   prepared = layout.prepare_feature_specs_for_training(feature_specs, g, s)
   for spec in jax.tree.leaves(prepared):
+    if spec.output_shape[-1] > spec.table_spec.embedding_dim:
+      raise ValueError(
+        f"feature {spec.name!r}: output_shape[-1]={spec.output_shape[-1]} "
+        f"exceeds the embedding_dim {spec.table_spec.embedding_dim} of table "
+        f"{spec.table_spec.name!r}"
+      )
+    if spec.table_spec.quantization_config is not None:
+      raise ValueError(
+        f"feature {spec.name!r}: table {spec.table_spec.name!r} has a "
+        "quantization_config; lookups of quantized tables are not "
+        "implemented (preprocessing and layout accept it)"
+      )
     if spec.sample_count % topology.num_shards:
       raise ValueError(
         f"feature {spec.name!r}: {spec.sample_count} samples do not divide "

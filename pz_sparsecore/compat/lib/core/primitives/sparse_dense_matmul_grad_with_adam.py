@@ -1,0 +1,7 @@
+"""jax-tpu-embedding's adam update primitive (see `optimizer_primitives`)."""
+
+from pz_sparsecore.compat.lib.core.primitives import optimizer_primitives
+
+tpu_sparse_dense_matmul_grad_with_adam_primitive = (
+  optimizer_primitives.primitive("adam")
+)

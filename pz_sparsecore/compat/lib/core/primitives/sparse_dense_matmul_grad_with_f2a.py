@@ -1,0 +1,7 @@
+"""jax-tpu-embedding's f2a update primitive (see `optimizer_primitives`)."""
+
+from pz_sparsecore.compat.lib.core.primitives import optimizer_primitives
+
+tpu_sparse_dense_matmul_grad_with_f2a_primitive = (
+  optimizer_primitives.primitive("f2a")
+)

@@ -1,0 +1,5 @@
+"""jax-tpu-embedding's `lib/fdo/file_fdo_client`: statistics in NPZ files."""
+
+from pz_sparsecore.fdo import NPZFileFDOClient
+
+__all__ = ["NPZFileFDOClient"]

@@ -1,0 +1,1 @@
+"""Part of pz_sparsecore.compat: upstream's module paths over pz_sparsecore."""

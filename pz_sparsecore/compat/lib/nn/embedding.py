@@ -1,0 +1,391 @@
+"""jax-tpu-embedding's `lib/nn/embedding` over pz_sparsecore.
+
+Layout functions fill the given (compat) specs in place and return None;
+preprocessing, stats and FDO are pz_sparsecore's. See docs/compat.md for the
+mapping and every difference.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from pz_sparsecore import buffer_format, fdo, layout
+from pz_sparsecore import preprocess as pz_preprocess
+from pz_sparsecore.compat.lib.nn import embedding_spec, table_stacking
+from pz_sparsecore.compat.utils import utils
+from pz_sparsecore.preprocess import PreprocessedInput
+
+__all__ = [
+  "EmbeddingVariables",
+  "EmbeddingVariablesInitializer",
+  "PreprocessedInput",
+  "SparseDenseMatmulInput",
+  "SparseDenseMatmulInputStats",
+  "auto_stack_tables",
+  "compute_coo_buffer_size_per_device",
+  "compute_row_pointers_size_per_device",
+  "compute_theoretical_max_coo_buffer_size",
+  "create_proto_from_feature_specs",
+  "eval_preprocess_sparse_dense_matmul_input_shape",
+  "get_stacked_table_specs",
+  "get_table_specs",
+  "init_embedding_variables",
+  "prepare_feature_specs_for_training",
+  "preprocess_sparse_dense_matmul_input",
+  "preprocess_sparse_dense_matmul_input_from_sparse_tensor",
+  "sharding_strategy_to_enum",
+  "update_preprocessing_parameters",
+]
+
+
+class EmbeddingVariablesInitializer(NamedTuple):
+  table: Any
+  slot: Any
+
+
+class EmbeddingVariables(NamedTuple):
+  table: Any
+  slot: Any
+
+
+class SparseDenseMatmulInput(NamedTuple):
+  lhs_row_pointers: Mapping[str, Any]
+  lhs_embedding_ids: Mapping[str, Any]
+  lhs_sample_ids: Mapping[str, Any]
+  lhs_gains: Mapping[str, Any]
+
+
+class SparseDenseMatmulInputStats(pz_preprocess.SparseDenseMatmulInputStats):
+  """pz_sparsecore's stats, with upstream's `from_cc`."""
+
+  @classmethod
+  def from_cc(cls, stats: Any) -> pz_preprocess.SparseDenseMatmulInputStats:
+    """The stats the compat preprocessing returned (already Python)."""
+    return stats
+
+
+def _features(feature_specs: Any) -> list[Any]:
+  return jax.tree.leaves(feature_specs)
+
+
+def _check_feature_names(feature_specs: Any) -> None:
+  layout.check_feature_names(embedding_spec.to_pz(feature_specs))
+
+
+def get_table_specs(feature_specs: Any) -> dict[str, Any]:
+  """Table name -> the table spec its features point to.
+
+  Raises:
+    ValueError: If two features share a name ("Feature spec NAME is already
+      defined.").
+  """
+  _check_feature_names(feature_specs)
+  return {f.table_spec.name: f.table_spec for f in _features(feature_specs)}
+
+
+def get_stacked_table_specs(feature_specs: Any) -> dict[str, Any]:
+  """Stack name -> its `StackedTableSpec`.
+
+  Raises:
+    ValueError: If two features share a name, or a table is not stacked.
+  """
+  _check_feature_names(feature_specs)
+  features = _features(feature_specs)
+  if not all(f.table_spec.is_stacked() for f in features):
+    raise ValueError(
+      "embedding.prepare_feature_specs_for_training was not called"
+    )
+  stacks = [f.table_spec.stacked_table_spec for f in features]
+  return {stack.stack_name: stack for stack in stacks}
+
+
+def _num_sc(num_sc_per_device: int | None) -> int:
+  if num_sc_per_device is None:
+    return utils.num_sparsecores_per_device()
+  return int(num_sc_per_device)
+
+
+def prepare_feature_specs_for_training(
+  feature_specs: Any,
+  global_device_count: int,
+  num_sc_per_device: int | None = None,
+) -> None:
+  """Stacks every unstacked table on its own, in place."""
+  frozen = layout.prepare_feature_specs_for_training(
+    embedding_spec.to_pz(feature_specs),
+    global_device_count,
+    _num_sc(num_sc_per_device),
+  )
+  embedding_spec.write_back(feature_specs, frozen)
+
+
+def auto_stack_tables(
+  feature_specs: Any,
+  global_device_count: int,
+  num_sc_per_device: int | None = None,
+  **kwargs: Any,
+) -> None:
+  """Stacks every group of compatible tables, in place."""
+  table_stacking.auto_stack_tables(
+    feature_specs, global_device_count, _num_sc(num_sc_per_device), **kwargs
+  )
+
+
+def compute_row_pointers_size_per_device(
+  *,
+  global_device_count: int,
+  num_sc_per_device: int | None = None,
+  enable_minibatching: bool = False,
+) -> int:
+  """Row pointers per device: `max(N, 8)` per SparseCore."""
+  del enable_minibatching
+  return buffer_format.compute_row_pointers_size_per_device(
+    global_device_count, _num_sc(num_sc_per_device)
+  )
+
+
+def compute_theoretical_max_coo_buffer_size(
+  max_ids_per_partition: int,
+  global_device_count: int,
+  num_sc_per_device: int | None = None,
+  enable_minibatching: bool = False,
+) -> int:
+  """The largest COO buffer per device the limit can need."""
+  del enable_minibatching
+  return buffer_format.compute_theoretical_max_coo_buffer_size(
+    max_ids_per_partition, global_device_count, _num_sc(num_sc_per_device)
+  )
+
+
+def compute_coo_buffer_size_per_device(
+  feature_specs: Any,
+  global_device_count: int,
+  num_sc_per_device: int | None = None,
+  enable_minibatching: bool = False,
+) -> dict[str, int]:
+  """Stack name -> COO buffer length per device."""
+  del enable_minibatching
+  return pz_preprocess.compute_coo_buffer_size_per_device(
+    embedding_spec.to_pz(feature_specs),
+    global_device_count,
+    _num_sc(num_sc_per_device),
+  )
+
+
+def sharding_strategy_to_enum(sharding_strategy: str) -> Any:
+  """The `ShardingStrategy` of a name; only MOD exists."""
+  from pz_sparsecore.compat.lib.core import pybind_input_preprocessing
+
+  if sharding_strategy.upper() != "MOD":
+    raise ValueError(
+      f"Unsupported sharding strategy: {sharding_strategy}. Only MOD is "
+      "supported."
+    )
+  return pybind_input_preprocessing.ShardingStrategy.MOD
+
+
+def _strategy_name(sharding_strategy: Any) -> str:
+  return getattr(sharding_strategy, "name", sharding_strategy)
+
+
+def preprocess_sparse_dense_matmul_input(
+  features: Any,
+  features_weights: Any,
+  feature_specs: Any,
+  local_device_count: int,
+  global_device_count: int,
+  *,
+  num_sc_per_device: int | None = None,
+  sharding_strategy: Any = "MOD",
+  has_leading_dimension: bool = False,
+  allow_id_dropping: bool = False,
+  batch_number: int = 0,
+  enable_minibatching: bool = False,
+  all_reduce_interface: Any = None,
+) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
+  """Preprocesses a batch: pz_sparsecore's preprocessing on these specs."""
+  del all_reduce_interface
+  _refuse_minibatching(enable_minibatching)
+  return pz_preprocess.preprocess_sparse_dense_matmul_input(
+    features,
+    features_weights,
+    embedding_spec.to_pz(feature_specs),
+    local_device_count,
+    global_device_count,
+    num_sc_per_device=_num_sc(num_sc_per_device),
+    sharding_strategy=_strategy_name(sharding_strategy),
+    has_leading_dimension=has_leading_dimension,
+    allow_id_dropping=allow_id_dropping,
+    batch_number=batch_number,
+  )
+
+
+def _refuse_minibatching(enable_minibatching: bool) -> None:
+  if enable_minibatching:
+    raise ValueError(
+      "enable_minibatching=True is not supported by pz_sparsecore; "
+      "preprocess with enable_minibatching=False"
+    )
+
+
+def preprocess_sparse_dense_matmul_input_from_sparse_tensor(
+  indices: Any,
+  values: Any,
+  dense_shapes: Any,
+  feature_specs: Any,
+  local_device_count: int,
+  global_device_count: int,
+  *,
+  num_sc_per_device: int | None = None,
+  **kwargs: Any,
+) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
+  """Preprocesses COO input (indices, values, dense shapes per feature)."""
+  from pz_sparsecore import sparse_coo
+
+  if "sharding_strategy" in kwargs:
+    kwargs["sharding_strategy"] = _strategy_name(kwargs["sharding_strategy"])
+  return sparse_coo.preprocess_sparse_dense_matmul_input_from_sparse_tensor(
+    indices,
+    values,
+    dense_shapes,
+    embedding_spec.to_pz(feature_specs),
+    local_device_count,
+    global_device_count,
+    num_sc_per_device=_num_sc(num_sc_per_device),
+    **kwargs,
+  )
+
+
+def eval_preprocess_sparse_dense_matmul_input_shape(
+  *args: Any, feature_specs: Any = None, **kwargs: Any
+) -> Any:
+  """The shapes `preprocess_sparse_dense_matmul_input` returns."""
+  if feature_specs is not None:
+    kwargs["feature_specs"] = embedding_spec.to_pz(feature_specs)
+  else:
+    args = (embedding_spec.to_pz(args[0]), *args[1:])
+  return pz_preprocess.eval_preprocess_sparse_dense_matmul_input_shape(
+    *args, **kwargs
+  )
+
+
+def update_preprocessing_parameters(
+  feature_specs: Any,
+  stats: SparseDenseMatmulInputStats,
+  num_sc_per_device: int | None = None,
+) -> None:
+  """Sets the stacks' limits and buffer sizes from `stats`, in place."""
+  frozen = fdo.update_preprocessing_parameters(
+    embedding_spec.to_pz(feature_specs), stats, _num_sc(num_sc_per_device)
+  )
+  embedding_spec.write_back(feature_specs, frozen)
+
+
+def create_proto_from_feature_specs(
+  feature_specs: Any,
+  global_device_count: int | None,
+  num_sparsecore_per_device: int | None = None,
+) -> Any:
+  """The `EmbeddingSpecProto` of the specs (see `pz_sparsecore.spec_proto`)."""
+  from pz_sparsecore import spec_proto
+
+  return spec_proto.create_proto_from_feature_specs(
+    embedding_spec.to_pz(feature_specs),
+    global_device_count,
+    _num_sc(num_sparsecore_per_device),
+  )
+
+
+# ---------------------------------------------------------------------------
+# Variables.
+
+
+def _shard_variables(
+  rng: jax.Array, tables: list[Any], num_sc: int, num_shards: int
+) -> EmbeddingVariables:
+  """One device's rows of a stack: per SparseCore, each member's block."""
+  blocks = []
+  for i in range(num_sc):
+    for table in tables:
+      setting = table.setting_in_stack
+      shape = (
+        setting.padded_vocab_size // num_shards,
+        setting.padded_embedding_dim,
+      )
+      slots = table.optimizer.slot_variables_initializers()
+      blocks.append(
+        EmbeddingVariables(
+          table=table.initializer(rng[i], shape),
+          slot=type(slots)(*(init(rng[i], shape) for init in slots)),
+        )
+      )
+  return jax.tree.map(lambda *parts: jax.numpy.concatenate(parts), *blocks)
+
+
+def init_embedding_variables(
+  rng: jax.Array,
+  table_specs: Any,
+  global_sharding: jax.sharding.NamedSharding,
+  num_sparsecore_per_device: int | None = None,
+  bypass_mesh_check: bool = False,
+) -> dict[str, EmbeddingVariables]:
+  """Stack name -> its initial table and slots, sharded over the mesh.
+
+  Each SparseCore's block of each member table is drawn by the table's
+  initialiser with that SparseCore's key, at the padded shape. The sharding's
+  spec is `P(axis, None)` (a `[N * V_shard, D]` array for jit) or
+  `P(axis, None, None)` (`[devices, S * V_shard, D]`, for pmap).
+
+  Raises:
+    ValueError: On another partition spec, or a mesh whose devices are not
+      in `jax.devices()` order (unless `bypass_mesh_check`).
+  """
+  num_sc = _num_sc(num_sparsecore_per_device)
+  spec = global_sharding.spec
+  axis = next((a for a in spec if a is not None), None)
+  P = jax.sharding.PartitionSpec
+  if axis is None or spec not in (P(axis, None), P(axis, None, None)):
+    raise ValueError(
+      "PartitionSpec of the global sharding either needs to be in the format "
+      f"PartitionSpec('x', None, None) or PartitionSpec('x', None). Got {spec}"
+    )
+  mesh = global_sharding.mesh
+  if not bypass_mesh_check and not np.array_equal(
+    np.asarray(mesh.devices).flatten(), np.asarray(jax.devices())
+  ):
+    raise ValueError(
+      "global_sharding needs to be created with default device order from "
+      f"jax.devices(), but global_sharding.mesh.devices={mesh.devices!r} "
+      f"and jax.devices()={jax.devices()!r}"
+    )
+  stacks = collections.defaultdict(list)
+  for table in jax.tree.leaves(table_specs):
+    stacks[table.setting_in_stack.stack_name].append(table)
+  use_pmap = len(spec) == 3
+  devices = jax.local_device_count() if use_pmap else mesh.size
+  per_stack = devices * num_sc
+  keys = jax.random.split(rng, per_stack * len(stacks))
+  result = {}
+  for k, (name, tables) in enumerate(stacks.items()):
+    tables.sort(key=lambda t: t.setting_in_stack.row_offset_in_shard)
+    stack_keys = keys[k * per_stack : (k + 1) * per_stack]
+    num_shards = mesh.size * num_sc
+
+    def init(key, tables=tables, num_shards=num_shards):
+      return _shard_variables(key, tables, num_sc, num_shards)
+
+    if use_pmap:
+      result[name] = jax.pmap(init)(
+        stack_keys.reshape((devices, num_sc, *stack_keys.shape[1:]))
+      )
+    else:
+      result[name] = jax.jit(
+        jax.shard_map(init, mesh=mesh, in_specs=P(axis), out_specs=spec),
+        out_shardings=global_sharding,
+      )(stack_keys)
+  return result

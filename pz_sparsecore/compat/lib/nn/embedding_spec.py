@@ -1,0 +1,490 @@
+"""Specs as jax-tpu-embedding has them: mutable, filled in place.
+
+`TableSpec` and `FeatureSpec` are mutable dataclasses that compare (and hash)
+on the fields a user writes, not on what stacking fills in; optimizer specs
+are plain objects whose hyper-parameters can be assigned; a table refuses
+changes once stacked, except through `update_preprocessing_parameters`. Every
+layout function of the compat namespace converts these to pz_sparsecore's
+frozen specs (`to_pz`), calls the frozen API and writes the result back
+(`write_back`), so both APIs compute the same layouts.
+
+`TableSettingInStack`, `StackedTableSpec` and `FeatureIdTransformation` are
+pz_sparsecore's own (frozen in both libraries); a stacked spec filled in here
+holds the table's compat optimizer, so it compares equal to one written with
+these classes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from pz_sparsecore import specs as pz
+from pz_sparsecore.compat.lib.core.primitives import optimizer_primitives
+from pz_sparsecore.specs import (
+  FeatureIdTransformation,
+  QuantizationConfig,
+  StackedTableSpec,
+  TableSettingInStack,
+)
+
+__all__ = [
+  "AdagradMomentumOptimizerSpec",
+  "AdagradMomentumSlotVariables",
+  "AdagradOptimizerSpec",
+  "AdagradSlotVariables",
+  "AdamOptimizerSpec",
+  "AdamSlotVariables",
+  "CustomOptimizerSpec",
+  "F2AOptimizerSpec",
+  "F2ASlotVariables",
+  "FTRLOptimizerSpec",
+  "FTRLSlotVariables",
+  "FeatureIdTransformation",
+  "FeatureSpec",
+  "LaPropOptimizerSpec",
+  "LaPropSlotVariables",
+  "OptimizerSpec",
+  "QuantizationConfig",
+  "SGDOptimizerSpec",
+  "SGDSlotVariables",
+  "StackedTableSpec",
+  "TableSettingInStack",
+  "TableSpec",
+  "to_pz",
+  "write_back",
+]
+
+SGDSlotVariables = collections.namedtuple("SGDSlotVariables", [])
+AdagradSlotVariables = collections.namedtuple(
+  "AdagradSlotVariables", ["accumulator"]
+)
+AdamSlotVariables = collections.namedtuple(
+  "AdamSlotVariables", ["momentum", "velocity"]
+)
+AdagradMomentumSlotVariables = collections.namedtuple(
+  "AdagradMomentumSlotVariables", ["accumulator", "momentum"]
+)
+FTRLSlotVariables = collections.namedtuple(
+  "FtrlSlotVariables", ["accumulator", "linear"]
+)
+LaPropSlotVariables = collections.namedtuple(
+  "LaPropSlotVariables", ["mu", "nu"]
+)
+F2ASlotVariables = collections.namedtuple(
+  "F2ASlotVariables", ["accumulator", "local_step"]
+)
+
+
+# ---------------------------------------------------------------------------
+# Optimizer specs: mutable, each a view of the frozen spec of the same name.
+
+
+class OptimizerSpec:
+  """A table optimizer whose hyper-parameters can be assigned.
+
+  Subclasses list their hyper-parameters in `_FIELDS` (upstream's names and
+  defaults); every computation goes through the frozen pz_sparsecore spec
+  of the same class name (`to_pz`), built from the current values.
+  """
+
+  _FIELDS: tuple[tuple[str, Any], ...] = ()
+  _SHORT_NAME = ""
+
+  def __init__(self, learning_rate: Any = 0.001, **hyper: Any):
+    self.learning_rate = learning_rate
+    for name, default in self._FIELDS:
+      setattr(self, name, hyper.pop(name, default))
+    if hyper:
+      raise TypeError(
+        f"{type(self).__name__}: unexpected arguments {sorted(hyper)}"
+      )
+
+  def _values(self) -> dict[str, Any]:
+    values = {"learning_rate": self.learning_rate}
+    values.update({name: getattr(self, name) for name, _ in self._FIELDS})
+    return values
+
+  def to_pz(self) -> pz.OptimizerSpec:
+    """The frozen pz_sparsecore spec with the current values."""
+    return getattr(pz, type(self).__name__)(**self._values())
+
+  def get_learning_rate(self, step: jax.Array | int | None = None) -> jax.Array:
+    """The learning rate at `step`, a float32 scalar."""
+    return self.to_pz().get_learning_rate(step)
+
+  def get_hyperparameters(
+    self, step: jax.Array | int | None = None
+  ) -> tuple[jax.Array, ...]:
+    """The float32 hyper-parameters of the fused update at `step`."""
+    return self.to_pz().get_hyperparameters(step)
+
+  def slot_variables_initializers(self) -> tuple[Callable[..., Any], ...]:
+    """One initialiser per slot, as a namedtuple with upstream's names."""
+    return self._slot_type()(*self.to_pz().slot_variables_initializers())
+
+  def _slot_type(self) -> type:
+    return globals()[f"{type(self).__name__[:-13]}SlotVariables"]
+
+  def slot_variables_count(self) -> int:
+    """The number of slots."""
+    return len(self.slot_variables_initializers())
+
+  def short_name(self) -> str:
+    """The optimizer's short name (used in variable names)."""
+    return self._SHORT_NAME
+
+  def get_optimizer_primitive(self) -> Any:
+    """The optimizer's update primitive (see `optimizer_primitives`)."""
+    return optimizer_primitives.primitive(self.short_name())
+
+  def __hash__(self) -> int:
+    return hash(tuple(self._values().items()))
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, OptimizerSpec) and hash(self) == hash(other)
+
+  def __repr__(self) -> str:
+    args = ", ".join(f"{k}={v!r}" for k, v in self._values().items())
+    return f"{type(self).__name__}({args})"
+
+
+class SGDOptimizerSpec(OptimizerSpec):
+  """SGD: `w <- w - lr * g`."""
+
+  _SHORT_NAME = "sgd"
+
+
+class AdagradOptimizerSpec(OptimizerSpec):
+  """Adagrad: `a <- a + g**2; w <- w - lr * g / sqrt(a)`."""
+
+  _FIELDS = (("initial_accumulator_value", 0.1),)
+  _SHORT_NAME = "adagrad"
+
+
+class AdagradMomentumOptimizerSpec(OptimizerSpec):
+  """Adagrad with momentum (and optional Nesterov)."""
+
+  _FIELDS = (
+    ("momentum", 0.9),
+    ("beta2", 1.0),
+    ("epsilon", 1e-10),
+    ("exponent", 2.0),
+    ("use_nesterov", False),
+    ("initial_accumulator_value", 0.1),
+    ("initial_momentum_value", 0.0),
+  )
+  _SHORT_NAME = "adagrad_momentum"
+
+
+class AdamOptimizerSpec(OptimizerSpec):
+  """Adam with bias correction from the step."""
+
+  _FIELDS = (("beta_1", 0.9), ("beta_2", 0.999), ("epsilon", 1e-8))
+  _SHORT_NAME = "adam"
+
+
+class FTRLOptimizerSpec(OptimizerSpec):
+  """Follow-the-regularized-leader."""
+
+  _FIELDS = (
+    ("learning_rate_power", -0.5),
+    ("l1_regularization_strength", 0.0),
+    ("l2_regularization_strength", 0.0),
+    ("beta", 0.0),
+    ("initial_accumulator_value", 0.1),
+    ("initial_linear_value", 0.0),
+    ("multiply_linear_by_learning_rate", False),
+  )
+  _SHORT_NAME = "ftrl"
+
+  def __init__(self, learning_rate: Any = 0.01, **hyper: Any):
+    super().__init__(learning_rate, **hyper)
+
+
+class LaPropOptimizerSpec(OptimizerSpec):
+  """LaProp (Adam with the update normalised before momentum)."""
+
+  _FIELDS = (
+    ("b1", 0.9),
+    ("b2", 0.95),
+    ("eps", 1e-30),
+    ("rms_clip_threshold", None),
+    ("initial_slot_value", 0.0),
+  )
+  _SHORT_NAME = "laprop"
+
+  def get_decay_rate(self, step: jax.Array | int | None = None) -> jax.Array:
+    """The second-moment decay at `step`."""
+    return self.to_pz().get_decay_rate(step)
+
+
+class F2AOptimizerSpec(OptimizerSpec):
+  """F2A (FTRL-style adaptive with a per-row local step)."""
+
+  _FIELDS = (
+    ("rho", 0.5),
+    ("initial_accumulator_value", 0.1),
+    ("initial_local_step_value", 0.0),
+    ("l1_regularization_strength", 0.0),
+    ("l2_regularization_strength", 0.0),
+    ("max_lr_multiplier", 1e6),
+  )
+  _SHORT_NAME = "f2a"
+
+  def __init__(self, learning_rate: Any = 0.01, **hyper: Any):
+    super().__init__(learning_rate, **hyper)
+
+
+class CustomOptimizerSpec(OptimizerSpec):
+  """An optimizer given as a JAX function of the touched rows."""
+
+  _FIELDS = (
+    ("custom_computation_fn", None),
+    ("slot_variable_initializers_tuple", ()),
+    ("short_name_str", "custom"),
+  )
+
+  def short_name(self) -> str:
+    return self.short_name_str
+
+  def get_optimizer_primitive(self) -> Any:
+    return optimizer_primitives.primitive("custom")
+
+  def slot_variables_initializers(self) -> tuple[Callable[..., Any], ...]:
+    return tuple(self.slot_variable_initializers_tuple)
+
+
+def _optimizer_to_pz(optimizer: Any) -> pz.OptimizerSpec:
+  if isinstance(optimizer, OptimizerSpec):
+    return optimizer.to_pz()
+  if isinstance(optimizer, pz.OptimizerSpec):
+    return optimizer
+  raise ValueError(f"optimizer must be an OptimizerSpec, got {optimizer!r}")
+
+
+# ---------------------------------------------------------------------------
+# Table and feature specs.
+
+_AFTER_STACKING = (
+  "_stacked_table_spec",
+  "_setting_in_stack",
+  "stacked_table_spec",
+  "setting_in_stack",
+)
+_FDO_FIELDS = (
+  "max_ids_per_partition",
+  "max_unique_ids_per_partition",
+  "suggested_coo_buffer_size_per_device",
+)
+
+
+@dataclasses.dataclass(eq=True, unsafe_hash=True, kw_only=True)
+class TableSpec:
+  """One embedding table, filled in place by stacking.
+
+  Compares on the fields a user writes; `setting_in_stack` and
+  `stacked_table_spec` are filled by stacking and not compared.
+  """
+
+  name: str
+  vocabulary_size: int
+  embedding_dim: int
+  initializer: Callable[..., Any]
+  optimizer: OptimizerSpec
+  combiner: str
+  max_ids_per_partition: int = pz.DEFAULT_MAX_IDS_PER_PARTITION
+  max_unique_ids_per_partition: int = pz.DEFAULT_MAX_UNIQUE_IDS_PER_PARTITION
+  suggested_coo_buffer_size_per_device: int | None = None
+  quantization_config: QuantizationConfig | None = None
+  _initialized: bool = dataclasses.field(
+    init=False, default=False, compare=False
+  )
+  _stacked_table_spec: StackedTableSpec | None = dataclasses.field(
+    default=None, compare=False
+  )
+  _setting_in_stack: TableSettingInStack | None = dataclasses.field(
+    default=None, compare=False
+  )
+
+  def __post_init__(self):
+    if self._setting_in_stack is None:
+      self._setting_in_stack = TableSettingInStack(
+        stack_name=self.name,
+        padded_vocab_size=self.vocabulary_size,
+        padded_embedding_dim=self.embedding_dim,
+      )
+    object.__setattr__(self, "_initialized", True)
+
+  def __setattr__(self, name: str, value: Any):
+    if (
+      name not in _AFTER_STACKING
+      and getattr(self, "_initialized", False)
+      and self.is_stacked()
+    ):
+      if name in _FDO_FIELDS:
+        raise AttributeError(
+          f"Cannot update parameter '{name}' on TableSpec '{self.name}' "
+          "after it has been stacked; use "
+          "embedding.update_preprocessing_parameters() to update its "
+          "StackedTableSpec"
+        )
+      raise AttributeError(
+        f"Cannot update parameter '{name}' on TableSpec '{self.name}' after "
+        "it has been stacked; build a new spec with dataclasses.replace and "
+        "prepare the feature specs again"
+      )
+    super().__setattr__(name, value)
+
+  @property
+  def setting_in_stack(self) -> TableSettingInStack:
+    """Where the table sits in its stack."""
+    return self._setting_in_stack
+
+  @setting_in_stack.setter
+  def setting_in_stack(self, value: TableSettingInStack) -> None:
+    self._setting_in_stack = value
+
+  @property
+  def stacked_table_spec(self) -> StackedTableSpec:
+    """The stack the table belongs to."""
+    if self._stacked_table_spec is None:
+      raise ValueError(
+        f"table {self.name!r} is not stacked; call "
+        "prepare_feature_specs_for_training first"
+      )
+    return self._stacked_table_spec
+
+  @stacked_table_spec.setter
+  def stacked_table_spec(self, value: StackedTableSpec) -> None:
+    self._stacked_table_spec = value
+
+  def is_stacked(self) -> bool:
+    """Whether stacking (or preparation) has filled in the stack."""
+    return self._stacked_table_spec is not None
+
+
+@dataclasses.dataclass(eq=True, unsafe_hash=True, kw_only=True)
+class FeatureSpec:
+  """One input feature, filled in place by stacking.
+
+  Compares on the fields a user writes; `id_transformation` is filled by
+  stacking and not compared.
+  """
+
+  name: str
+  table_spec: TableSpec
+  input_shape: Sequence[int | None]
+  output_shape: Sequence[int]
+  _id_transformation: FeatureIdTransformation | None = dataclasses.field(
+    default=None, compare=False
+  )
+
+  @property
+  def id_transformation(self) -> FeatureIdTransformation | None:
+    """How the feature's samples and ids map into its stack."""
+    return self._id_transformation
+
+  @id_transformation.setter
+  def id_transformation(self, value: FeatureIdTransformation) -> None:
+    self._id_transformation = value
+
+
+# ---------------------------------------------------------------------------
+# Conversion to the frozen specs and back.
+
+
+def _is_feature(x: Any) -> bool:
+  return isinstance(x, FeatureSpec | pz.FeatureSpec)
+
+
+def _stacked_to_pz(stacked: StackedTableSpec | None) -> StackedTableSpec | None:
+  if stacked is None or isinstance(stacked.optimizer, pz.OptimizerSpec):
+    return stacked
+  return stacked.replace(optimizer=_optimizer_to_pz(stacked.optimizer))
+
+
+def table_to_pz(table: TableSpec | pz.TableSpec) -> pz.TableSpec:
+  """The frozen spec of a compat `TableSpec` (a frozen one is returned)."""
+  if isinstance(table, pz.TableSpec):
+    return table
+  if not isinstance(table, TableSpec):
+    raise ValueError(f"expected a TableSpec, got {type(table).__name__}")
+  return pz.TableSpec(
+    name=table.name,
+    vocabulary_size=table.vocabulary_size,
+    embedding_dim=table.embedding_dim,
+    initializer=table.initializer,
+    optimizer=_optimizer_to_pz(table.optimizer),
+    combiner=table.combiner,
+    max_ids_per_partition=table.max_ids_per_partition,
+    max_unique_ids_per_partition=table.max_unique_ids_per_partition,
+    suggested_coo_buffer_size_per_device=(
+      table.suggested_coo_buffer_size_per_device
+    ),
+    quantization_config=table.quantization_config,
+    setting_in_stack=table.setting_in_stack,
+    stacked_table_spec=_stacked_to_pz(table._stacked_table_spec),
+  )
+
+
+def to_pz(feature_specs: Any) -> Any:
+  """The same tree with frozen pz_sparsecore specs in place of compat ones.
+
+  Tables shared by several features stay shared (one frozen spec per
+  compat table object). Frozen leaves pass through unchanged.
+  """
+  tables: dict[int, pz.TableSpec] = {}
+
+  def convert(feature: Any) -> Any:
+    if isinstance(feature, pz.FeatureSpec):
+      return feature
+    if not isinstance(feature, FeatureSpec):
+      raise ValueError(
+        f"expected FeatureSpec leaves, got {type(feature).__name__}"
+      )
+    key = id(feature.table_spec)
+    if key not in tables:
+      tables[key] = table_to_pz(feature.table_spec)
+    return pz.FeatureSpec(
+      name=feature.name,
+      table_spec=tables[key],
+      input_shape=feature.input_shape,
+      output_shape=feature.output_shape,
+      id_transformation=feature.id_transformation,
+    )
+
+  return jax.tree.map(convert, feature_specs, is_leaf=_is_feature)
+
+
+def _compat_optimizer(table: TableSpec, frozen: pz.OptimizerSpec) -> Any:
+  optimizer = table.optimizer
+  if isinstance(optimizer, OptimizerSpec) and optimizer.to_pz() == frozen:
+    return optimizer
+  return frozen
+
+
+def write_back(feature_specs: Any, frozen_specs: Any) -> None:
+  """Fills the compat specs in place from frozen specs of the same tree."""
+  compat = jax.tree.leaves(feature_specs, is_leaf=_is_feature)
+  frozen = jax.tree.leaves(frozen_specs, is_leaf=_is_feature)
+  for feature, new in zip(compat, frozen, strict=True):
+    if not isinstance(feature, FeatureSpec):
+      continue
+    feature.id_transformation = new.id_transformation
+    write_back_table(feature.table_spec, new.table_spec)
+
+
+def write_back_table(table: TableSpec, new: pz.TableSpec) -> None:
+  """Fills one compat table in place from its frozen counterpart."""
+  table.setting_in_stack = new.setting_in_stack
+  stacked = new.stacked_table_spec
+  if stacked is not None:
+    stacked = stacked.replace(
+      optimizer=_compat_optimizer(table, stacked.optimizer)
+    )
+  table.stacked_table_spec = stacked

@@ -1,0 +1,278 @@
+"""The compat namespace: upstream's module paths and in-place semantics."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pz_sparsecore as pzsc
+from pz_sparsecore.compat.lib.core import constants, pybind_input_preprocessing
+from pz_sparsecore.compat.lib.nn import (
+  embedding,
+  embedding_spec,
+  table_stacking,
+)
+from pz_sparsecore.compat.utils import utils
+
+_ONES = jax.nn.initializers.constant(1.0)
+
+
+def _features(optimizer=None):
+  optimizer = optimizer or embedding_spec.SGDOptimizerSpec(learning_rate=0.1)
+  init = _ONES
+  a = embedding_spec.TableSpec(
+    name="a",
+    vocabulary_size=40,
+    embedding_dim=8,
+    initializer=init,
+    optimizer=optimizer,
+    combiner="sum",
+  )
+  b = embedding_spec.TableSpec(
+    name="b",
+    vocabulary_size=100,
+    embedding_dim=8,
+    initializer=init,
+    optimizer=optimizer,
+    combiner="sum",
+  )
+  return [
+    embedding_spec.FeatureSpec(
+      name="fa", table_spec=a, input_shape=[16, 2], output_shape=[16, 8]
+    ),
+    embedding_spec.FeatureSpec(
+      name="fb", table_spec=b, input_shape=[16, None], output_shape=[16, 8]
+    ),
+    embedding_spec.FeatureSpec(
+      name="fb2", table_spec=b, input_shape=[16, 1], output_shape=[16, 8]
+    ),
+  ]
+
+
+def test_stacking_fills_the_specs_in_place_and_returns_none():
+  features = _features()
+  frozen = pzsc.auto_stack_tables(
+    embedding_spec.to_pz(features), 2, num_sc_per_device=4
+  )
+  frozen = pzsc.prepare_feature_specs_for_training(frozen, 2, 4)
+  assert not features[0].table_spec.is_stacked()
+  assert table_stacking.auto_stack_tables(features, 2, 4) is None
+  assert embedding.prepare_feature_specs_for_training(features, 2, 4) is None
+  for compat, new in zip(features, frozen, strict=True):
+    assert compat.id_transformation == new.id_transformation
+    assert compat.table_spec.setting_in_stack == new.table_spec.setting_in_stack
+    stacked = compat.table_spec.stacked_table_spec
+    assert stacked.replace(optimizer=new.table_spec.optimizer) == (
+      new.table_spec.stacked_table_spec
+    )
+    # The stack keeps the user's (compat) optimizer object.
+    assert stacked.optimizer is compat.table_spec.optimizer
+  # Features sharing a table share the compat table object.
+  assert features[1].table_spec is features[2].table_spec
+  # Equality ignores what stacking filled in, as upstream's.
+  assert features[0] == _features()[0]
+
+
+def test_stacked_table_refuses_changes_except_through_update():
+  features = _features()
+  embedding.prepare_feature_specs_for_training(features, 1, 4)
+  table = features[0].table_spec
+  with pytest.raises(AttributeError, match="update_preprocessing_parameters"):
+    table.max_ids_per_partition = 3
+  with pytest.raises(AttributeError, match="dataclasses.replace"):
+    table.vocabulary_size = 3
+  stats = pzsc.SparseDenseMatmulInputStats(
+    max_ids_per_partition={"a": np.array([5, 7])},
+    max_unique_ids_per_partition={"a": np.array([2, 3])},
+  )
+  assert embedding.update_preprocessing_parameters(features, stats, 4) is None
+  stacked = table.stacked_table_spec
+  assert (
+    stacked.max_ids_per_partition,
+    stacked.max_unique_ids_per_partition,
+  ) == (
+    7,
+    3,
+  )
+  # The frozen API computes the same from the same specs.
+  frozen = pzsc.update_preprocessing_parameters(
+    pzsc.prepare_feature_specs_for_training(
+      embedding_spec.to_pz(_features()), 1, 4
+    ),
+    stats,
+    4,
+  )
+  assert frozen[0].table_spec.stacked_table_spec.max_ids_per_partition == 7
+
+
+def test_optimizer_hyper_parameters_are_assignable():
+  opt = embedding_spec.AdagradOptimizerSpec(learning_rate=0.5)
+  opt.initial_accumulator_value = 2.0
+  opt.learning_rate = lambda step: 0.1 * step
+  assert float(opt.get_learning_rate(3)) == pytest.approx(0.3)
+  (acc,) = opt.slot_variables_initializers()
+  assert float(acc(jax.random.key(0), (1, 1))[0, 0]) == 2.0
+  assert type(opt.slot_variables_initializers()).__name__ == (
+    "AdagradSlotVariables"
+  )
+  assert opt.to_pz() == pzsc.AdagradOptimizerSpec(
+    learning_rate=opt.learning_rate, initial_accumulator_value=2.0
+  )
+  assert opt == embedding_spec.AdagradOptimizerSpec(
+    learning_rate=opt.learning_rate, initial_accumulator_value=2.0
+  )
+  assert opt.short_name() == "adagrad"
+  with pytest.raises(NotImplementedError, match="sparse_dense_matmul_grad"):
+    opt.get_optimizer_primitive().bind(jnp.zeros(1))
+
+
+def test_preprocessing_equals_the_frozen_api():
+  features = _features()
+  embedding.auto_stack_tables(features, 1, 4)
+  embedding.prepare_feature_specs_for_training(features, 1, 4)
+  rng = np.random.default_rng(0)
+  ids = [
+    rng.integers(0, 40, (16, 2)),
+    np.array([rng.integers(0, 100, rng.integers(0, 4)) for _ in range(16)],
+             dtype=object),
+    rng.integers(0, 100, (16, 1)),
+  ]  # fmt: skip
+  got, got_stats = embedding.preprocess_sparse_dense_matmul_input(
+    ids, None, features, 1, 1, num_sc_per_device=4
+  )
+  want, want_stats = pzsc.preprocess_sparse_dense_matmul_input(
+    ids, None, embedding_spec.to_pz(features), 1, 1, num_sc_per_device=4
+  )
+  for field in ("lhs_row_pointers", "lhs_embedding_ids", "lhs_sample_ids"):
+    for stack in getattr(want, field):
+      np.testing.assert_array_equal(
+        getattr(got, field)[stack], getattr(want, field)[stack]
+      )
+  np.testing.assert_array_equal(
+    got_stats.max_ids_per_partition["a_b"],
+    want_stats.max_ids_per_partition["a_b"],
+  )
+  # The extension-style call returns upstream's tuple.
+  row_pointers, *_, num_minibatches, stats = (
+    pybind_input_preprocessing.preprocess_sparse_dense_matmul_input(
+      ids,
+      None,
+      features,
+      local_device_count=1,
+      global_device_count=1,
+      num_sc_per_device=4,
+      sharding_strategy=pybind_input_preprocessing.ShardingStrategy.MOD,
+    )
+  )
+  np.testing.assert_array_equal(
+    row_pointers["a_b"], want.lhs_row_pointers["a_b"]
+  )
+  assert num_minibatches == 1
+  assert embedding.SparseDenseMatmulInputStats.from_cc(stats) is stats
+  with pytest.raises(ValueError, match="enable_minibatching"):
+    embedding.preprocess_sparse_dense_matmul_input(
+      ids, None, features, 1, 1, num_sc_per_device=4, enable_minibatching=True
+    )
+
+
+def test_lookups_of_specs_raise_upstreams_errors():
+  features = _features()
+  twice = [features[0], dataclasses.replace(features[1], name="fa")]
+  with pytest.raises(ValueError, match="Feature spec fa is already defined."):
+    embedding.get_table_specs(twice)
+  with pytest.raises(ValueError, match="prepare_feature_specs_for_training"):
+    embedding.get_stacked_table_specs(features)
+  with pytest.raises(ValueError, match=r"Table a is repeated in group a_b_a\."):
+    table_stacking.stack_tables(features, ["a", "b", "a"], 1, 4)
+  # The specs are untouched by the refused call, and stacking then works.
+  assert not features[0].table_spec.is_stacked()
+  table_stacking.stack_tables(features, ["a", "b"], 1, 4)
+  assert set(embedding.get_stacked_table_specs(features)) == {"a_b"}
+
+
+def test_stats_from_any_subset_of_fields():
+  stats = embedding.SparseDenseMatmulInputStats(
+    max_ids_per_partition={"s": np.array([1])}
+  )
+  assert stats.required_buffer_size_per_sc == {}
+  assert stats.get_required_buffer_size_per_device("s") is None
+  with pytest.raises(ValueError, match="stack 's'.*num_sc_per_device"):
+    stats.set_required_buffer_size_per_device("s", 64)
+  stats.set_required_buffer_size_per_device("s", 64, num_sc_per_device=4)
+  np.testing.assert_array_equal(
+    stats.required_buffer_size_per_sc["s"], [16] * 4
+  )
+  assert stats.get_required_buffer_size_per_device("s") == 64
+
+
+@pytest.mark.parametrize("mode", ["plain", "jit", "pmap"])
+def test_compute_physical_row_ids_traces(mode):
+  rows = jnp.arange(40)
+  want = pzsc.physical_row_ids(
+    pzsc.prepare_feature_specs_for_training(
+      embedding_spec.to_pz(_features()[:1]), 2, 4
+    )[0].table_spec,
+    np.arange(40),
+    8,
+  )
+
+  def f(r):
+    return table_stacking.compute_physical_row_ids(8, 64 * 8 // 8 * 1, 0, 0, r)
+
+  # One table of padded vocabulary 64 on 8 shards: 8 rows per shard.
+  if mode == "jit":
+    got = jax.jit(f)(rows)
+  elif mode == "pmap":
+    got = jax.pmap(f)(rows[None])[0]
+  else:
+    got = f(rows)
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_init_embedding_variables_and_table_round_trip():
+  features = _features(embedding_spec.AdagradOptimizerSpec())
+  embedding.auto_stack_tables(features, 8, 4)
+  embedding.prepare_feature_specs_for_training(features, 8, 4)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+  sharding = jax.sharding.NamedSharding(
+    mesh, jax.sharding.PartitionSpec("x", None)
+  )
+  variables = embedding.init_embedding_variables(
+    jax.random.key(0), embedding.get_table_specs(features), sharding, 4
+  )
+  table, (acc,) = variables["a_b"]
+  assert table.shape == (
+    features[0].table_spec.stacked_table_spec.stack_vocab_size,
+    8,
+  )
+  assert float(acc[0, 0]) == pytest.approx(0.1)
+  logical = table_stacking.unshard_and_unstack_tables(
+    embedding.get_table_specs(features), {"a_b": table}, 32, donate=True
+  )
+  assert table.is_deleted()
+  np.testing.assert_array_equal(logical["a"], np.ones((40, 8)))
+  stacked = table_stacking.stack_and_shard_tables(
+    embedding.get_table_specs(features), logical, 32, delete_input=True
+  )
+  assert (
+    logical["a"].is_deleted() if isinstance(logical["a"], jax.Array) else True
+  )
+  assert np.prod(stacked["a_b"].shape) == np.prod(table.shape)
+  with pytest.raises(ValueError, match="PartitionSpec"):
+    embedding.init_embedding_variables(
+      jax.random.key(0),
+      embedding.get_table_specs(features),
+      jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "x")),
+      4,
+    )
+
+
+def test_module_constants_and_sparsecore_count():
+  assert constants.PADDING_VALUE == pzsc.PAD_ID == 2**31 - 1
+  assert utils.num_sparsecores_per_device(jax.devices()[0]) == 4
+  with pytest.raises(ValueError, match="device kind"):
+    utils.num_sparsecores_per_device(object())
