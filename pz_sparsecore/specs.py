@@ -82,11 +82,51 @@ def _check_limits(owner: str, spec: Any) -> None:
       "suggested_coo_buffer_size_per_device",
       spec.suggested_coo_buffer_size_per_device,
     )
-  if spec.quantization_config is not None:
+  config = spec.quantization_config
+  if config is not None and not isinstance(config, QuantizationConfig):
     raise ValueError(
-      f"{owner}: quantization_config is not supported (it only affects "
-      "TPU forward kernels); pass None"
+      f"{owner}: quantization_config must be a QuantizationConfig or None, "
+      f"got {config!r}"
     )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantizationConfig:
+  """Lookups see table values quantized to `num_buckets` levels.
+
+  Attributes:
+    min_value: The lowest level.
+    max_value: The highest level.
+    num_buckets: Levels from `min_value` to `max_value` (at least 2).
+  """
+
+  min_value: float
+  max_value: float
+  num_buckets: int
+
+  def __post_init__(self):
+    owner = "QuantizationConfig"
+    _check_finite(owner, "min_value", self.min_value)
+    _check_finite(owner, "max_value", self.max_value)
+    if isinstance(self.num_buckets, bool) or not isinstance(
+      self.num_buckets, numbers.Integral
+    ):
+      raise ValueError(
+        f"{owner}: num_buckets must be an integer, got {self.num_buckets!r}"
+      )
+    if self.num_buckets < 2:
+      raise ValueError(
+        f"{owner}: num_buckets must be >= 2, got {self.num_buckets}"
+      )
+    if not self.min_value < self.max_value:
+      raise ValueError(
+        f"{owner}: min_value must be < max_value, got {self.min_value} and "
+        f"{self.max_value}"
+      )
+
+  def as_tuple(self) -> tuple[float, float, int]:
+    """`(min_value, max_value, num_buckets)`."""
+    return (self.min_value, self.max_value, self.num_buckets)
 
 
 # ---------------------------------------------------------------------------
@@ -375,7 +415,7 @@ class TableSpec:
     max_unique_ids_per_partition: Limit on distinct ids one SparseCore sends
       to one partition.
     suggested_coo_buffer_size_per_device: Desired COO buffer length.
-    quantization_config: Must be None (TPU-only upstream feature).
+    quantization_config: A `QuantizationConfig`, or None.
     setting_in_stack: Filled by stacking / preparation.
     stacked_table_spec: Filled by stacking / preparation.
   """
@@ -443,12 +483,18 @@ class FeatureIdTransformation:
   col_shift: int = 0
 
 
-def _as_shape(owner: str, field: str, shape: Any) -> tuple[int, ...]:
+def _as_shape(
+  owner: str, field: str, shape: Any, ragged: bool = False
+) -> tuple[int | None, ...]:
+  """The shape as ints; if `ragged`, dimensions after the first may be None."""
   try:
-    dims = tuple(int(d) for d in shape)
+    dims = tuple(
+      None if ragged and i and d is None else int(d)
+      for i, d in enumerate(shape)
+    )
   except TypeError as e:
     raise ValueError(f"{owner}: {field} must be a sequence of ints") from e
-  if not dims or any(d <= 0 for d in dims):
+  if not dims or any(d is not None and d <= 0 for d in dims):
     raise ValueError(
       f"{owner}: {field} must be non-empty and positive: {shape}"
     )
@@ -483,17 +529,13 @@ class FeatureSpec:
     if not isinstance(self.table_spec, TableSpec):
       raise ValueError(f"{owner}: table_spec must be a TableSpec")
     object.__setattr__(
-      self, "input_shape", _as_shape(owner, "input_shape", self.input_shape)
+      self,
+      "input_shape",
+      _as_shape(owner, "input_shape", self.input_shape, ragged=True),
     )
     object.__setattr__(
       self, "output_shape", _as_shape(owner, "output_shape", self.output_shape)
     )
-    if self.output_shape[-1] > self.table_spec.embedding_dim:
-      raise ValueError(
-        f"{owner}: output_shape[-1]={self.output_shape[-1]} exceeds the "
-        f"embedding_dim {self.table_spec.embedding_dim} of table "
-        f"{self.table_spec.name!r}"
-      )
 
   @property
   def sample_count(self) -> int:
