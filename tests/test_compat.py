@@ -200,7 +200,9 @@ def test_stats_from_any_subset_of_fields():
   )
   assert stats.required_buffer_size_per_sc == {}
   assert stats.get_required_buffer_size_per_device("s") is None
-  with pytest.raises(ValueError, match="stack 's'.*num_sc_per_device"):
+  with pytest.raises(
+    ValueError, match="num_sc_per_device must be provided.*stack 's'"
+  ):
     stats.set_required_buffer_size_per_device("s", 64)
   stats.set_required_buffer_size_per_device("s", 64, num_sc_per_device=4)
   np.testing.assert_array_equal(
