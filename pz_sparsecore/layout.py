@@ -599,9 +599,31 @@ def physical_row_ids(
       f"table {table_spec.name!r}: row {int(bad)} outside [0, {vocab})"
     )
   setting = table_spec.setting_in_stack
-  v_shard = table_spec.stacked_table_spec.stack_vocab_size // num_shards
-  shard = (ids % num_shards + setting.shard_rotation) % num_shards
-  return shard * v_shard + setting.row_offset_in_shard + ids // num_shards
+  return compute_physical_row_ids(
+    num_shards,
+    table_spec.stacked_table_spec.stack_vocab_size,
+    setting.shard_rotation,
+    setting.row_offset_in_shard,
+    ids,
+  )
+
+
+def compute_physical_row_ids(
+  num_sparse_cores: int,
+  stack_vocab_size: int,
+  shard_rotation: int,
+  row_offset_in_shard: int,
+  row_ids: Any,
+) -> Any:
+  """Rows of the stacked `[N * V_shard, D]` table of a table's logical rows.
+
+  Plain arithmetic on ints, NumPy or JAX arrays (it traces under `jit` and
+  `pmap`), without range checks: row `i` lives on shard
+  `(i % N + shard_rotation) % N` at row `i // N + row_offset_in_shard`.
+  """
+  shard_rows = stack_vocab_size // num_sparse_cores
+  shard = (row_ids % num_sparse_cores + shard_rotation) % num_sparse_cores
+  return shard * shard_rows + row_ids // num_sparse_cores + row_offset_in_shard
 
 
 def stack_and_shard_tables(

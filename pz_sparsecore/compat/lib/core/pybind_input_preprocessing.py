@@ -10,8 +10,12 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from pz_sparsecore import buffer_format
 from pz_sparsecore.compat.lib.nn import embedding
+from pz_sparsecore.compat.lib.nn.embedding import (
+  compute_coo_buffer_size_per_device,
+  compute_row_pointers_size_per_device,
+  compute_theoretical_max_coo_buffer_size,
+)
 
 __all__ = [
   "ShardingStrategy",
@@ -82,42 +86,4 @@ def preprocess_sparse_dense_matmul_sparse_coo_input(
       global_device_count,
       **kwargs,
     )
-  )
-
-
-def compute_row_pointers_size_per_device(
-  *, global_device_count: int, num_sc_per_device: int, **kwargs: Any
-) -> int:
-  """Row pointers per device: `max(N, 8)` per SparseCore."""
-  del kwargs
-  return buffer_format.compute_row_pointers_size_per_device(
-    global_device_count, num_sc_per_device
-  )
-
-
-def compute_theoretical_max_coo_buffer_size(
-  *,
-  max_ids_per_partition: int,
-  global_device_count: int,
-  num_sc_per_device: int,
-  **kwargs: Any,
-) -> int:
-  """The largest COO buffer per device the limit can need."""
-  del kwargs
-  return buffer_format.compute_theoretical_max_coo_buffer_size(
-    max_ids_per_partition, global_device_count, num_sc_per_device
-  )
-
-
-def compute_coo_buffer_size_per_device(
-  feature_specs: Any,
-  *,
-  global_device_count: int,
-  num_sc_per_device: int,
-  **kwargs: Any,
-) -> dict[str, int]:
-  """Stack name -> COO buffer length per device."""
-  del kwargs
-  return embedding.compute_coo_buffer_size_per_device(
-    list(feature_specs), global_device_count, num_sc_per_device
   )

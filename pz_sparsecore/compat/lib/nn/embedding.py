@@ -247,8 +247,6 @@ def preprocess_sparse_dense_matmul_input_from_sparse_tensor(
   """Preprocesses COO input (indices, values, dense shapes per feature)."""
   from pz_sparsecore import sparse_coo
 
-  if "sharding_strategy" in kwargs:
-    kwargs["sharding_strategy"] = _strategy_name(kwargs["sharding_strategy"])
   return sparse_coo.preprocess_sparse_dense_matmul_input_from_sparse_tensor(
     indices,
     values,

@@ -16,7 +16,7 @@ import numpy as np
 
 from pz_sparsecore import layout
 from pz_sparsecore.compat.lib.nn import embedding_spec
-from pz_sparsecore.layout import get_default_limits
+from pz_sparsecore.layout import compute_physical_row_ids, get_default_limits
 
 __all__ = [
   "auto_stack_tables",
@@ -123,24 +123,6 @@ def unshard_and_unstack_tables(
     jax.block_until_ready(tables)
     _delete(stacked_tables)
   return tables
-
-
-def compute_physical_row_ids(
-  num_sparse_cores: int,
-  stack_vocab_size: int,
-  shard_rotation: int,
-  row_offset_in_shard: int,
-  row_ids: Any,
-) -> Any:
-  """Rows of the stacked `[N * V_shard, D]` table of a table's logical rows.
-
-  Plain arithmetic on ints, NumPy or JAX arrays, so it traces under `jit`
-  and `pmap`. Row `i` lives on shard `(i % N + shard_rotation) % N` at row
-  `i // N + row_offset_in_shard` of that shard.
-  """
-  shard_rows = stack_vocab_size // num_sparse_cores
-  shard = (row_ids % num_sparse_cores + shard_rotation) % num_sparse_cores
-  return shard * shard_rows + row_ids // num_sparse_cores + row_offset_in_shard
 
 
 def _split_groups_by_memory_limit(
