@@ -33,6 +33,10 @@ _EXPORTS = {
   "AdagradMomentumOptimizerSpec": "specs",
   "AdamOptimizerSpec": "specs",
   "FTRLOptimizerSpec": "specs",
+  "QuantizationConfig": "specs",
+  "LaPropOptimizerSpec": "specs",
+  "F2AOptimizerSpec": "specs",
+  "CustomOptimizerSpec": "specs",
   # layout
   "prepare_feature_specs_for_training": "layout",
   "stack_tables": "layout",
@@ -52,9 +56,12 @@ _EXPORTS = {
   "SparseDenseMatmulInputStats": "preprocess",
   "compute_coo_buffer_size_per_device": "preprocess",
   "eval_preprocess_sparse_dense_matmul_input_shape": "preprocess",
+  "preprocess_sparse_dense_matmul_input_from_sparse_tensor": "sparse_coo",
+  "preprocess_sparse_dense_matmul_sparse_coo_input": "sparse_coo",
   # fdo
   "FDOClient": "fdo",
   "NPZFileFDOClient": "fdo",
+  "CSVFileFDOClient": "fdo",
   "update_preprocessing_parameters": "fdo",
   "scale_stats": "fdo",
   # device side
@@ -82,6 +89,10 @@ _EXPORTS = {
   "prefetch": "pipeline",
   "Prefetcher": "pipeline",
   "PrefetchError": "pipeline",
+  # exchange of layouts with jax-tpu-embedding
+  "EmbeddingSpecProto": "spec_proto",
+  "create_proto_from_feature_specs": "spec_proto",
+  "feature_specs_from_proto": "spec_proto",
 }
 
 _RENAMED = {"build_plan": "build", "predict_exchange_bytes": "predict_bytes"}

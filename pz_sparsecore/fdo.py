@@ -8,30 +8,63 @@ too large and memory and bandwidth are wasted. FDO closes the loop:
 1. `client.record(stats)` after every preprocessing call (local, cheap);
 2. every k steps `client.publish()` persists this process's records;
 3. after a barrier, `client.load()` aggregates every process's latest
-   publication (element-wise max);
+   publication;
 4. `update_preprocessing_parameters(feature_specs, stats, S)` returns new
    specs whose limits and buffer size match the observed maxima; `jit` then
    recompiles for the new buffer shapes.
 
-`NPZFileFDOClient` publishes one `fdo_stats_<process>_<time_ns>.npz` file per
-call, written to a temporary name and renamed, so a reader never sees a
-partial file. Files that cannot be read (truncated, corrupt) or that belong
-to another run (a different `run_id`) are reported with a warning and
-skipped.
+Two file clients share one directory layout and differ only in the format:
+`NPZFileFDOClient` (`.npz`) and `CSVFileFDOClient` (`.csv`). Both follow
+jax-tpu-embedding's clients, so files pass between the libraries.
+
+**Keys.** A statistic of stack `s` is stored under `s` plus a suffix:
+`_max_ids`, `_max_unique_ids`, `_required_buffer_size` or `_id_drop_counters`.
+
+**Records.** Each key keeps the recorded values in order; one record is kept
+as given (1-D for per-partition counts), several are stacked to one row per
+record. With `retain_history=False` they are folded after every record into
+one row, their element-wise max. A publication writes the current values to
+`fdo_stats_<process>_<time_ns>.<ext>`, through a temporary name and a rename,
+so a reader never sees a partial file. Records are never cleared: each
+publication holds everything recorded so far.
+
+**Load.** The newest file of each process is read. A key published by one
+process only comes back as that process wrote it (the history, one row per
+record); a key published by several processes comes back as the element-wise
+max over all their rows. `load` also makes the result this client's record,
+so a client created after a restart continues from the published state.
+Files that cannot be read (truncated, corrupt) or that belong to another run
+(a different `run_id`) are reported with a warning and skipped.
+
+Worked example, stack `s` with two partitions: process 0 records max ids
+`[1, 5]` and then `[4, 2]`; process 1 records `[3, 3]`. If only process 0
+has published, `load` returns `max_ids_per_partition["s"]` as the rows
+`[[1, 5], [4, 2]]`; once both have, it returns `[4, 5]`. Either shape suits
+`update_preprocessing_parameters` and `scale_stats`, which reduce with max.
+
+The CSV format has a header and then one line per row of a key (a single
+value, such as a drop counter, is a row of one)::
+
+  key,values
+  s_max_ids,1 5
+  s_max_ids,4 2
+  s_id_drop_counters,0
 """
 
 from __future__ import annotations
 
 import abc
-import collections
+import csv
+import functools
 import glob
+import io
 import os
 import re
 import tempfile
 import time
 import warnings
 import zipfile
-from typing import Any
+from typing import IO, Any, ClassVar
 
 import jax
 import numpy as np
@@ -39,14 +72,17 @@ import numpy as np
 from pz_sparsecore import buffer_format, layout
 from pz_sparsecore.preprocess import SparseDenseMatmulInputStats
 
+# Key suffix of each statistic in the stored files.
 _FIELDS = {
   "_max_ids": "max_ids_per_partition",
   "_max_unique_ids": "max_unique_ids_per_partition",
   "_required_buffer_size": "required_buffer_size_per_sc",
   "_id_drop_counters": "id_drop_counters",
 }
+_FILE_STEM = "fdo_stats"
+_TMP_PREFIX = ".tmp_fdo_"
 _RUN_ID_KEY = "__run_id__"
-_FILE_PATTERN = re.compile(r"fdo_stats_(\d+)_(\d+)\.npz$")
+_CSV_HEADER = ["key", "values"]
 
 
 class FDOClient(abc.ABC):
@@ -66,50 +102,123 @@ class FDOClient(abc.ABC):
 
 
 def _split_key(key: str) -> tuple[str, str]:
+  """`(stack, field)` of a stored key."""
   for suffix, field in _FIELDS.items():
     if key.endswith(suffix):
       return key[: -len(suffix)], field
-  raise ValueError(f"FDO file key {key!r} has no known statistic suffix")
+  raise ValueError(
+    f"FDO file key {key!r} ends in none of the statistic suffixes "
+    f"{list(_FIELDS)}"
+  )
 
 
-class NPZFileFDOClient(FDOClient):
-  """FDO client storing statistics as NPZ files in a shared directory.
+def _row_shape(value: np.ndarray) -> tuple[int, ...]:
+  """The shape of one row once `value` is stacked with others."""
+  return np.atleast_2d(value).shape[1:]
+
+
+def _stack(values: list[np.ndarray]) -> np.ndarray:
+  """One value as given; several as rows of one array."""
+  return values[0] if len(values) == 1 else np.vstack(values)
+
+
+def _as_counts(value: Any) -> np.ndarray:
+  """A recorded statistic as int64; fractional sizes round up."""
+  array = np.asarray(value)
+  if np.issubdtype(array.dtype, np.floating):
+    array = np.ceil(array)
+  return array.astype(np.int64)
+
+
+@functools.cache
+def _file_pattern(extension: str) -> re.Pattern[str]:
+  return re.compile(rf"{_FILE_STEM}_(\d+)_(\d+)\.{re.escape(extension)}")
+
+
+class _FileFDOClient(FDOClient):
+  """Record, publish and load of the file clients; subclasses own the format.
 
   Args:
     base_dir: Directory shared by all processes (created if missing).
     run_id: Optional run identifier written into every file; files with a
-      different identifier are skipped by `load`.
+      different identifier (or none) are skipped by `load`.
+    retain_history: Keep one row per record (True) or only their
+      element-wise max (False).
   """
 
-  def __init__(self, base_dir: str | os.PathLike, run_id: str | None = None):
+  _EXTENSION: ClassVar[str]
+  _READ_ERRORS: ClassVar[tuple[type[Exception], ...]]
+
+  def __init__(
+    self,
+    base_dir: str | os.PathLike,
+    *,
+    run_id: str | None,
+    retain_history: bool,
+  ):
     self.base_dir = os.fspath(base_dir)
     self.run_id = run_id
+    self.retain_history = retain_history
     os.makedirs(self.base_dir, exist_ok=True)
-    self._records: dict[str, list[np.ndarray]] = collections.defaultdict(list)
+    # Stored key -> recorded values in order (`_stack` gives the value).
+    self._records: dict[str, list[np.ndarray]] = {}
+    self._last_stamp = 0
+
+  @abc.abstractmethod
+  def _write(self, f: IO[bytes], data: dict[str, np.ndarray]) -> None:
+    """Writes `data` (and `self.run_id`, if set) to the open file `f`."""
+
+  @abc.abstractmethod
+  def _read(self, path: str) -> tuple[dict[str, np.ndarray], str | None]:
+    """The stored values of `path` and its run id (raises `_READ_ERRORS`)."""
+
+  def _keep(self, key: str, values: list[np.ndarray]) -> None:
+    if not self.retain_history:
+      stacked = _stack(values)
+      if stacked.ndim > 1:
+        values = [np.max(stacked, axis=0)]
+    self._records[key] = values
 
   def record(self, stats: SparseDenseMatmulInputStats) -> None:
-    """Appends one batch's statistics (as int64 rows) to the local record."""
-    for suffix, field in _FIELDS.items():
-      for stack, value in getattr(stats, field).items():
-        row = np.atleast_1d(np.asarray(value, dtype=np.int64))
-        self._records[stack + suffix].append(row)
-
-  def publish(self) -> None:
-    """Writes the local record to `fdo_stats_<process>_<time_ns>.npz`.
+    """Appends one batch's statistics (as int64) to the local record.
 
     Raises:
-      ValueError: If nothing was recorded.
+      ValueError: If a statistic's shape differs from the earlier records
+        of its stack.
+    """
+    for suffix, field in _FIELDS.items():
+      for stack, value in getattr(stats, field).items():
+        key = stack + suffix
+        value = _as_counts(value)
+        values = self._records.get(key, [])
+        if values and _row_shape(value) != _row_shape(values[0]):
+          raise ValueError(
+            f"FDO record: {field} of stack {stack!r} has shape "
+            f"{value.shape}, earlier records {values[0].shape}; record the "
+            "statistics of one topology per client"
+          )
+        self._keep(key, [*values, value])
+
+  def publish(self) -> None:
+    """Writes the local record to `fdo_stats_<process>_<time_ns>.<ext>`.
+
+    Raises:
+      ValueError: If nothing was recorded (or loaded).
     """
     if not self._records:
       raise ValueError("FDO publish: nothing recorded yet")
-    data = {key: np.vstack(rows) for key, rows in self._records.items()}
-    if self.run_id is not None:
-      data[_RUN_ID_KEY] = np.asarray(self.run_id)
-    name = f"fdo_stats_{jax.process_index()}_{time.time_ns()}.npz"
-    fd, tmp = tempfile.mkstemp(dir=self.base_dir, prefix=".tmp_fdo_")
+    # Grouped by statistic, as upstream writes them.
+    fields = list(_FIELDS.values())
+    keys = sorted(self._records, key=lambda k: fields.index(_split_key(k)[1]))
+    data = {key: _stack(self._records[key]) for key in keys}
+    # Two publications of one client never share a name.
+    stamp = max(time.time_ns(), self._last_stamp + 1)
+    self._last_stamp = stamp
+    name = f"{_FILE_STEM}_{jax.process_index()}_{stamp}.{self._EXTENSION}"
+    fd, tmp = tempfile.mkstemp(dir=self.base_dir, prefix=_TMP_PREFIX)
     try:
       with os.fdopen(fd, "wb") as f:
-        np.savez(f, **data)
+        self._write(f, data)
         f.flush()
         os.fsync(f.fileno())
       os.replace(tmp, os.path.join(self.base_dir, name))
@@ -118,72 +227,202 @@ class NPZFileFDOClient(FDOClient):
         os.unlink(tmp)
       raise
 
-  def _latest_files(self) -> list[str]:
+  def _get_latest_files_by_process(self, files: list[str]) -> list[str]:
+    """The newest of `files` for each process, highest process first."""
+    pattern = _file_pattern(self._EXTENSION)
     newest: dict[int, tuple[int, str]] = {}
-    for path in glob.glob(os.path.join(self.base_dir, "fdo_stats*.npz")):
-      match = _FILE_PATTERN.search(os.path.basename(path))
+    for path in files:
+      match = pattern.fullmatch(os.path.basename(path))
       if match is None:
         warnings.warn(f"FDO: skipping unrecognised file {path}", stacklevel=3)
         continue
       process, stamp = int(match.group(1)), int(match.group(2))
-      if process not in newest or stamp > newest[process][0]:
+      if process not in newest or (stamp, path) > newest[process]:
         newest[process] = (stamp, path)
-    return [path for _, path in sorted(newest.values(), key=lambda x: x[1])]
+    return [newest[process][1] for process in sorted(newest, reverse=True)]
 
-  def _read(self, path: str) -> dict[str, np.ndarray] | None:
+  def _read_checked(self, path: str) -> dict[str, np.ndarray] | None:
+    """The values of `path`, or None (with a warning) if it is skipped."""
     try:
-      with np.load(path, allow_pickle=False) as npz:
-        data = {key: npz[key] for key in npz.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+      data, run_id = self._read(path)
+    except self._READ_ERRORS as e:
       warnings.warn(f"FDO: skipping unreadable file {path}: {e}", stacklevel=3)
       return None
-    run_id = data.pop(_RUN_ID_KEY, None)
-    if self.run_id is not None and (
-      run_id is None or str(run_id) != self.run_id
-    ):
+    if self.run_id is not None and run_id != self.run_id:
       warnings.warn(
-        f"FDO: skipping {path}: it belongs to run "
-        f"{None if run_id is None else str(run_id)!r}, not {self.run_id!r}",
+        f"FDO: skipping {path}: it belongs to run {run_id!r}, not "
+        f"{self.run_id!r}",
         stacklevel=3,
       )
       return None
     return data
 
   def load(self) -> SparseDenseMatmulInputStats:
-    """Element-wise max over every record of each process's newest file.
+    """Every process's newest publication, merged (see the module notes).
+
+    A key from one process is returned as published; a key from several is
+    the element-wise max over all their rows. The result becomes this
+    client's record.
 
     Raises:
       FileNotFoundError: If no readable file exists.
-      ValueError: If a file holds a key with an unknown suffix.
+      ValueError: If a file holds a key with an unknown suffix, or processes
+        published rows of different shapes.
     """
-    fields: dict[str, dict[str, Any]] = {f: {} for f in _FIELDS.values()}
+    pattern = os.path.join(
+      glob.escape(self.base_dir), f"{_FILE_STEM}*.{self._EXTENSION}"
+    )
+    published: dict[str, list[tuple[str, np.ndarray]]] = {}
     found = False
-    for path in self._latest_files():
-      data = self._read(path)
+    for path in self._get_latest_files_by_process(glob.glob(pattern)):
+      data = self._read_checked(path)
       if data is None:
         continue
       found = True
       for key, value in data.items():
-        stack, field = _split_key(key)
-        reduced = np.max(np.atleast_2d(value), axis=0)
-        previous = fields[field].get(stack)
-        if previous is not None:
-          if previous.shape != reduced.shape:
-            raise ValueError(
-              f"FDO: {path} has {key} of shape {reduced.shape}, other "
-              f"processes {previous.shape}; files from different topologies"
-            )
-          reduced = np.maximum(previous, reduced)
-        fields[field][stack] = reduced
+        _split_key(key)
+        published.setdefault(key, []).append((path, value))
     if not found:
       raise FileNotFoundError(
-        f"FDO: no readable stats files in {self.base_dir}"
+        f"FDO: no readable {_FILE_STEM}_*.{self._EXTENSION} files in "
+        f"{self.base_dir}"
       )
-    fields["id_drop_counters"] = {
-      stack: int(value.max())
-      for stack, value in fields["id_drop_counters"].items()
+    merged = {
+      key: _merge_processes(key, values) for key, values in published.items()
     }
+    fields: dict[str, dict[str, Any]] = {f: {} for f in _FIELDS.values()}
+    for key, value in merged.items():
+      stack, field = _split_key(key)
+      fields[field][stack] = value
+    self._records = {}
+    for key, value in merged.items():
+      self._keep(key, [value.copy()])
     return SparseDenseMatmulInputStats(**fields)
+
+
+def _merge_processes(
+  key: str, published: list[tuple[str, np.ndarray]]
+) -> np.ndarray:
+  """One process's value as is; several processes' as the max over rows."""
+  if len(published) == 1:
+    return published[0][1]
+  first_path, first = published[0]
+  for path, value in published[1:]:
+    if _row_shape(value) != _row_shape(first):
+      raise ValueError(
+        f"FDO: {path} has {key} rows of shape {_row_shape(value)}, "
+        f"{first_path} {_row_shape(first)}; files from different topologies"
+      )
+  return np.max(np.vstack([value for _, value in published]), axis=0)
+
+
+class NPZFileFDOClient(_FileFDOClient):
+  """FDO client storing statistics as NPZ files in a shared directory.
+
+  Each file holds one array per key (and `__run_id__` when a run id is set).
+
+  Args:
+    base_dir: Directory shared by all processes (created if missing).
+    run_id: Optional run identifier written into every file; files with a
+      different identifier (or none) are skipped by `load`.
+    retain_history: Keep one row per record (True) or only their
+      element-wise max (False).
+  """
+
+  _EXTENSION = "npz"
+  _READ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile)
+
+  def __init__(
+    self,
+    base_dir: str | os.PathLike,
+    run_id: str | None = None,
+    *,
+    retain_history: bool = True,
+  ):
+    super().__init__(base_dir, run_id=run_id, retain_history=retain_history)
+
+  def _write(self, f: IO[bytes], data: dict[str, np.ndarray]) -> None:
+    if self.run_id is not None:
+      data = {**data, _RUN_ID_KEY: np.asarray(self.run_id)}
+    np.savez(f, **data)
+
+  def _read(self, path: str) -> tuple[dict[str, np.ndarray], str | None]:
+    with np.load(path, allow_pickle=False) as npz:
+      data = {key: npz[key] for key in npz.files}
+    run_id = data.pop(_RUN_ID_KEY, None)
+    return data, None if run_id is None else str(run_id)
+
+
+class CSVFileFDOClient(_FileFDOClient):
+  """FDO client storing statistics as CSV files in a shared directory.
+
+  The format (module notes) is jax-tpu-embedding's; a run id, when set, is a
+  `__run_id__` line. A file that does not end with a line break was cut
+  short and is skipped; a file cut exactly at a line end cannot be told
+  apart from a shorter history (files this client writes are never partial).
+
+  Args:
+    base_dir: Directory shared by all processes (created if missing).
+    retain_history: Keep one row per record (True) or only their
+      element-wise max (False).
+    run_id: Optional run identifier written into every file; files with a
+      different identifier (or none) are skipped by `load`.
+  """
+
+  _EXTENSION = "csv"
+  _READ_ERRORS = (OSError, ValueError, csv.Error)
+
+  def __init__(
+    self,
+    base_dir: str | os.PathLike,
+    retain_history: bool = True,
+    *,
+    run_id: str | None = None,
+  ):
+    super().__init__(base_dir, run_id=run_id, retain_history=retain_history)
+
+  def _write(self, f: IO[bytes], data: dict[str, np.ndarray]) -> None:
+    text = io.TextIOWrapper(f, encoding="utf-8", newline="")
+    writer = csv.writer(text)
+    writer.writerow(_CSV_HEADER)
+    if self.run_id is not None:
+      writer.writerow([_RUN_ID_KEY, self.run_id])
+    for key, value in data.items():
+      if value.ndim > 2:
+        raise ValueError(
+          f"FDO CSV publish: {key} has {value.ndim} dimensions; a CSV file "
+          "holds rows of counts (at most 2)"
+        )
+      for row in np.atleast_2d(value):
+        writer.writerow([key, " ".join(str(int(v)) for v in row)])
+    text.flush()
+    text.detach()
+
+  def _read(self, path: str) -> tuple[dict[str, np.ndarray], str | None]:
+    with open(path, encoding="utf-8", newline="") as f:
+      content = f.read()
+    if not content.endswith("\n"):
+      raise ValueError("the last line is incomplete (truncated file)")
+    lines = list(csv.reader(io.StringIO(content)))
+    if lines[0] != _CSV_HEADER:
+      raise ValueError(f"the header is {lines[0]}, not {_CSV_HEADER}")
+    run_id = None
+    rows: dict[str, list[np.ndarray]] = {}
+    for number, line in enumerate(lines[1:], start=2):
+      if not line:
+        continue
+      if len(line) != 2:
+        raise ValueError(f"line {number} has {len(line)} fields, not 2")
+      key, values = line
+      if key == _RUN_ID_KEY:
+        run_id = values
+        continue
+      try:
+        row = np.array([int(v) for v in values.split()], dtype=np.int64)
+      except ValueError as e:
+        raise ValueError(f"line {number}: {e}") from None
+      rows.setdefault(key, []).append(row)
+    return {key: _stack(values) for key, values in rows.items()}, run_id
 
 
 def update_preprocessing_parameters(

@@ -261,8 +261,8 @@ def _check_stackable(
       raise ValueError(f"stack {stack_name!r}: unknown table {name!r}")
     if tables[name].stacked_table_spec is not None:
       raise ValueError(
-        f"table {name!r} is already stacked in "
-        f"{tables[name].setting_in_stack.stack_name!r}"
+        f"Table {name} is already stacked (in "
+        f"{tables[name].setting_in_stack.stack_name})."
       )
   used = {
     t.setting_in_stack.stack_name

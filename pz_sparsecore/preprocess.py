@@ -185,8 +185,8 @@ class SparseDenseMatmulInputStats:
     num_sc = num_sc_per_device or (0 if current is None else np.size(current))
     if not num_sc:
       raise ValueError(
-        f"stack {stack_name!r}: pass num_sc_per_device, the stats have no "
-        "required_buffer_size_per_sc for it yet"
+        "num_sc_per_device must be provided if the table is not present "
+        f"(stack {stack_name!r} has no required_buffer_size_per_sc yet)."
       )
     self.required_buffer_size_per_sc[stack_name] = np.full(
       num_sc, required_buffer_size_per_device / num_sc

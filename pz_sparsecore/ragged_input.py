@@ -6,7 +6,9 @@ The preprocessor accepts, per feature, a batch in any of these forms:
 * a list or a 1-D object array of 1-D integer arrays, one per sample, possibly
   empty (ragged rows);
 * a `(values, row_splits)` tuple: sample `i` holds
-  `values[row_splits[i]:row_splits[i + 1]]`.
+  `values[row_splits[i]:row_splits[i + 1]]`;
+* a 2-D `jax.experimental.sparse.BCOO` whose data are the ids (converted
+  to `(values, row_splits)` by `sparse_coo.bcoo_rows`, with its weights).
 
 Ids may have any integer dtype and must lie in `[0, vocabulary_size)`;
 weights (optional, per feature) have the ids' shape and must be finite as
@@ -402,6 +404,29 @@ def _flatten_weights(
   return flat_weights
 
 
+def _from_bcoo(
+  features: Sequence[FeaturePlan],
+  id_leaves: list[Any],
+  weight_leaves: list[Any],
+) -> tuple[list[Any], list[Any]]:
+  """The leaves with every BCOO batch as `(values, row_splits)` tuples."""
+  # Imported here: sparse_coo builds on the preprocessor, which imports this.
+  from pz_sparsecore import sparse_coo
+
+  id_leaves, weight_leaves = list(id_leaves), list(weight_leaves)
+  for i, feature in enumerate(features):
+    if sparse_coo.is_bcoo(id_leaves[i]):
+      id_leaves[i], weight_leaves[i] = sparse_coo.bcoo_rows(
+        feature.name, id_leaves[i], weight_leaves[i]
+      )
+    elif sparse_coo.is_bcoo(weight_leaves[i]):
+      raise ValueError(
+        f"feature {feature.name!r}: BCOO weights need BCOO ids, got ids as "
+        f"{_describe(id_leaves[i])}"
+      )
+  return id_leaves, weight_leaves
+
+
 def read_batch(
   features: Sequence[FeaturePlan],
   id_leaves: list[Any],
@@ -420,6 +445,7 @@ def read_batch(
   Raises:
     ValueError: On a malformed batch, an id out of range or bad weights.
   """
+  id_leaves, weight_leaves = _from_bcoo(features, id_leaves, weight_leaves)
   values, row_splits, num_rows = read_ids(features, id_leaves)
   rows = splits_from_lengths(num_rows)
   weighted = np.array([w is not None for w in weight_leaves], np.bool_)

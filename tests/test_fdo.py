@@ -1,8 +1,9 @@
 """Tests of the FDO client and limit updates (pz_sparsecore.fdo).
 
 Expected statistics are written out by hand or recomputed with numpy
-(`np.maximum.reduce` over the recorded rows); the expected limits follow the
-upstream rule of notes section 5.
+(`np.maximum.reduce` over the recorded rows of several processes, `np.stack`
+of the records of a single one); the expected limits follow the upstream rule
+of notes section 5.
 """
 
 from __future__ import annotations
@@ -57,6 +58,21 @@ def _assert_stats_equal(got, records):
     assert int(got.id_drop_counters[stack]) == expected
 
 
+def _assert_history_equal(got, records):
+  """`got` holds every one of `records` as a row (one process published)."""
+  for field in (
+    "max_ids_per_partition",
+    "max_unique_ids_per_partition",
+    "required_buffer_size_per_sc",
+    "id_drop_counters",
+  ):
+    stacks = set(getattr(records[0], field))
+    assert set(getattr(got, field)) == stacks
+    for stack in stacks:
+      expected = _rows(records, field, stack).reshape(len(records), -1)
+      np.testing.assert_array_equal(getattr(got, field)[stack], expected)
+
+
 def _stats_files(path):
   return sorted(p for p in os.listdir(path) if p.startswith("fdo_stats"))
 
@@ -83,11 +99,20 @@ def test_record_publish_load_round_trip(tmp_path, process):
   assert _stats_files(tmp_path)[0].startswith("fdo_stats_0_")
   got = fdo.NPZFileFDOClient(tmp_path).load()
   assert isinstance(got, SparseDenseMatmulInputStats)
-  _assert_stats_equal(got, records)
-  # Literal spot checks: scale 2 dominates, drop counter max is 3.
-  np.testing.assert_array_equal(got.max_ids_per_partition["s1"], [2, 10, 4, 0])
-  np.testing.assert_array_equal(got.required_buffer_size_per_sc["s2"], [16, 32])
-  assert got.id_drop_counters == {"s1": 3, "s2": 3}
+  # One process published: its records come back as rows, in order.
+  _assert_history_equal(got, records)
+  np.testing.assert_array_equal(
+    got.max_ids_per_partition["s1"],
+    [[1, 5, 2, 0], [2, 10, 4, 0], [1, 5, 2, 0]],
+  )
+  np.testing.assert_array_equal(
+    got.required_buffer_size_per_sc["s2"], [[8, 16], [16, 32], [8, 16]]
+  )
+  np.testing.assert_array_equal(got.id_drop_counters["s1"], [[3], [1], [0]])
+  # Limits come from the largest row: scale 2 dominates.
+  np.testing.assert_array_equal(
+    np.max(got.max_ids_per_partition["s1"], axis=0), [2, 10, 4, 0]
+  )
 
 
 def test_two_processes_element_wise_max(tmp_path, process):
@@ -157,7 +182,7 @@ def test_repeated_publish_accumulates_records(tmp_path, process):
   client.record(_stats(1))
   client.publish()
   got = client.load()
-  _assert_stats_equal(got, [_stats(3), _stats(1)])
+  _assert_history_equal(got, [_stats(3), _stats(1)])
 
 
 @pytest.mark.parametrize("kind", ["garbage", "truncated"])

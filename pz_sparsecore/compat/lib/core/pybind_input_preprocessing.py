@@ -43,17 +43,17 @@ def _as_tuple(result: tuple[Any, Any]) -> tuple[Any, ...]:
 
 def preprocess_sparse_dense_matmul_input(
   features: Any,
-  features_weights: Any,
-  feature_specs: Any,
-  local_device_count: int,
-  global_device_count: int,
+  feature_weights: Any = None,
+  feature_specs: Any = None,
+  local_device_count: int = 1,
+  global_device_count: int = 1,
   **kwargs: Any,
 ) -> tuple[Any, ...]:
   """Preprocesses flat lists of features (see `embedding`'s function)."""
   return _as_tuple(
     embedding.preprocess_sparse_dense_matmul_input(
       list(features),
-      None if features_weights is None else list(features_weights),
+      None if feature_weights is None else list(feature_weights),
       list(feature_specs),
       local_device_count,
       global_device_count,
@@ -110,8 +110,8 @@ def compute_theoretical_max_coo_buffer_size(
 
 
 def compute_coo_buffer_size_per_device(
-  *,
   feature_specs: Any,
+  *,
   global_device_count: int,
   num_sc_per_device: int,
   **kwargs: Any,
