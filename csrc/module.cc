@@ -16,6 +16,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradAdagradCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradAdagradMomentumCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradAdamCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradFtrlCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradLaPropCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradF2ACpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CheckCooCpu);
 #ifdef PZSC_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulCuda);
@@ -24,11 +26,13 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradAdagradCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradAdagradMomentumCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradAdamCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradFtrlCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradLaPropCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradF2ACuda);
 #endif
 
 // Bumped whenever a handler's operands, attributes or contract change, or a
 // target is added or removed (pz_sparsecore/kernels/ffi.py: ABI_VERSION).
-constexpr int kAbiVersion = 4;
+constexpr int kAbiVersion = 5;
 }  // namespace pzsc
 
 namespace {
@@ -63,6 +67,10 @@ NB_MODULE(_pzsc_ffi, m) {
         Capsule(pzsc::SparseDenseMatmulGradAdamCpu));
     add("pzsc_sparse_dense_matmul_grad_ftrl", "cpu",
         Capsule(pzsc::SparseDenseMatmulGradFtrlCpu));
+    add("pzsc_sparse_dense_matmul_grad_laprop", "cpu",
+        Capsule(pzsc::SparseDenseMatmulGradLaPropCpu));
+    add("pzsc_sparse_dense_matmul_grad_f2a", "cpu",
+        Capsule(pzsc::SparseDenseMatmulGradF2ACpu));
     add("pzsc_check_coo", "cpu", Capsule(pzsc::CheckCooCpu));
 #ifdef PZSC_WITH_CUDA
     add("pzsc_sparse_dense_matmul", "CUDA",
@@ -77,6 +85,10 @@ NB_MODULE(_pzsc_ffi, m) {
         Capsule(pzsc::SparseDenseMatmulGradAdamCuda));
     add("pzsc_sparse_dense_matmul_grad_ftrl", "CUDA",
         Capsule(pzsc::SparseDenseMatmulGradFtrlCuda));
+    add("pzsc_sparse_dense_matmul_grad_laprop", "CUDA",
+        Capsule(pzsc::SparseDenseMatmulGradLaPropCuda));
+    add("pzsc_sparse_dense_matmul_grad_f2a", "CUDA",
+        Capsule(pzsc::SparseDenseMatmulGradF2ACuda));
 #endif
     return regs;
   });

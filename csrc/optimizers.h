@@ -1,5 +1,7 @@
 // Per-row optimizer updates of the fused backward (equations: research notes
-// section 4.3; the pure-JAX twin is pz_sparsecore/kernels/reference.py).
+// section 4.3, and upstream's LaProp and F2A primitives,
+// sparse_dense_matmul_grad_with_{laprop,f2a}.py; the pure-JAX twins are the
+// registry's row updates, pz_sparsecore/optimizers.py).
 //
 // Each Apply updates one table row `w` and its slot rows in place from the
 // summed row gradient `g`; all rows have `dim` float32 elements and never
@@ -27,6 +29,8 @@ enum class Optimizer : int {
   kAdagradMomentum = 2,
   kAdam = 3,
   kFtrl = 4,
+  kLaProp = 5,
+  kF2A = 6,
 };
 
 inline constexpr int kMaxSlots = 2;
@@ -51,9 +55,12 @@ PZSC_HOST_DEVICE constexpr int NumHyperparameters(Optimizer opt) {
     case Optimizer::kAdagradMomentum:
       return 6;
     case Optimizer::kAdam:
+    case Optimizer::kLaProp:
       return 4;
     case Optimizer::kFtrl:
       return 5;
+    case Optimizer::kF2A:
+      return 6;
   }
   return 0;
 }
@@ -133,6 +140,42 @@ PZSC_HOST_DEVICE void FtrlElement(const Hyperparameters& h, float& w, float& a,
   w = num / den;
 }
 
+// LaProp, with decay = the step-corrected b2 (the spec's get_decay_rate):
+// nu <- decay nu + (1 - decay)(g^2 + eps);
+// mu <- b1 mu + sqrt(1 - b1^2) g / sqrt(nu); w <- w - lr mu.
+PZSC_HOST_DEVICE void LaPropElement(const Hyperparameters& h, float& w,
+                                    float& mu, float& nu, float g) {
+  const float lr = h.v[0], b1 = h.v[1], decay = h.v[2], eps = h.v[3];
+  const float nu_new = decay * nu + (1.0f - decay) * (g * g + eps);
+  const float mu_new = b1 * mu + sqrtf(1.0f - b1 * b1) * (g / sqrtf(nu_new));
+  nu = nu_new;
+  mu = mu_new;
+  w -= lr * mu_new;
+}
+
+// sign(x) as jnp.sign: -1, 0 or 1, and NaN for NaN (and -0 for -0).
+PZSC_HOST_DEVICE float SignOf(float x) {
+  return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : x);
+}
+
+// F2A (frequency-aware Adagrad) at global step t: n <- n + 1;
+// f = min((max(t, 1) / n)^rho, max_lr_multiplier); a <- a + g^2;
+// w <- w - lr (f g / sqrt(a) + l1 sign(w) + l2 w).
+PZSC_HOST_DEVICE void F2AElement(const Hyperparameters& h, float& w, float& a,
+                                 float& n, float g) {
+  const float lr = h.v[0], rho = h.v[1], l1 = h.v[2], l2 = h.v[3];
+  const float max_multiplier = h.v[4], step = h.v[5];
+  const float local_step = n + 1.0f;
+  const float ratio = fmaxf(step, 1.0f) / local_step;
+  const float multiplier = fminf(powf(ratio, rho), max_multiplier);
+  const float acc = a + g * g;
+  const float update =
+      multiplier * g / sqrtf(acc) + (l1 * SignOf(w) + l2 * w);
+  n = local_step;
+  a = acc;
+  w -= lr * update;
+}
+
 #ifndef __CUDACC__
 // The CPU handlers' row updates: the element rules over `dim` elements.
 inline void ApplySgd(const Hyperparameters& h, float* __restrict w,
@@ -146,24 +189,14 @@ inline void ApplyAdagrad(const Hyperparameters& h, float* __restrict w,
   for (int64_t i = 0; i < dim; ++i) AdagradElement(h, w[i], a[i], g[i]);
 }
 
-inline void ApplyAdagradMomentum(const Hyperparameters& h, float* __restrict w,
-                                 float* __restrict a, float* __restrict m,
-                                 const float* __restrict g, int64_t dim) {
-  for (int64_t i = 0; i < dim; ++i) {
-    AdagradMomentumElement(h, w[i], a[i], m[i], g[i]);
-  }
-}
-
-inline void ApplyAdam(const Hyperparameters& h, float* __restrict w,
-                      float* __restrict m, float* __restrict v,
-                      const float* __restrict g, int64_t dim) {
-  for (int64_t i = 0; i < dim; ++i) AdamElement(h, w[i], m[i], v[i], g[i]);
-}
-
-inline void ApplyFtrl(const Hyperparameters& h, float* __restrict w,
-                      float* __restrict a, float* __restrict l,
-                      const float* __restrict g, int64_t dim) {
-  for (int64_t i = 0; i < dim; ++i) FtrlElement(h, w[i], a[i], l[i], g[i]);
+// The optimizers with two slots (AdagradMomentum, Adam, FTRL, LaProp, F2A):
+// `Element(h, w, slot0, slot1, g)` over `dim` elements.
+template <void (*Element)(const Hyperparameters&, float&, float&, float&,
+                          float)>
+inline void ApplyTwoSlots(const Hyperparameters& h, float* __restrict w,
+                          float* __restrict s0, float* __restrict s1,
+                          const float* __restrict g, int64_t dim) {
+  for (int64_t i = 0; i < dim; ++i) Element(h, w[i], s0[i], s1[i], g[i]);
 }
 #endif  // __CUDACC__
 

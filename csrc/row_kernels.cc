@@ -297,14 +297,24 @@ void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
           ApplyAdagrad(h, w, plan.slots[0] + off, acc, dim);
           break;
         case Optimizer::kAdagradMomentum:
-          ApplyAdagradMomentum(h, w, plan.slots[0] + off, plan.slots[1] + off,
-                               acc, dim);
+          ApplyTwoSlots<AdagradMomentumElement>(h, w, plan.slots[0] + off,
+                                                plan.slots[1] + off, acc, dim);
           break;
         case Optimizer::kAdam:
-          ApplyAdam(h, w, plan.slots[0] + off, plan.slots[1] + off, acc, dim);
+          ApplyTwoSlots<AdamElement>(h, w, plan.slots[0] + off,
+                                     plan.slots[1] + off, acc, dim);
           break;
         case Optimizer::kFtrl:
-          ApplyFtrl(h, w, plan.slots[0] + off, plan.slots[1] + off, acc, dim);
+          ApplyTwoSlots<FtrlElement>(h, w, plan.slots[0] + off,
+                                     plan.slots[1] + off, acc, dim);
+          break;
+        case Optimizer::kLaProp:
+          ApplyTwoSlots<LaPropElement>(h, w, plan.slots[0] + off,
+                                       plan.slots[1] + off, acc, dim);
+          break;
+        case Optimizer::kF2A:
+          ApplyTwoSlots<F2AElement>(h, w, plan.slots[0] + off,
+                                    plan.slots[1] + off, acc, dim);
           break;
       }
       if (plan.clip) {

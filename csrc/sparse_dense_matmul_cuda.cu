@@ -284,8 +284,13 @@ __device__ __forceinline__ void ApplyRow(const UpdateArgs& a, int64_t row,
       AdagradMomentumElement(h, w, a.slot0[off], a.slot1[off], acc[r]);
     } else if constexpr (kOpt == Optimizer::kAdam) {
       AdamElement(h, w, a.slot0[off], a.slot1[off], acc[r]);
-    } else {
+    } else if constexpr (kOpt == Optimizer::kFtrl) {
       FtrlElement(h, w, a.slot0[off], a.slot1[off], acc[r]);
+    } else if constexpr (kOpt == Optimizer::kLaProp) {
+      LaPropElement(h, w, a.slot0[off], a.slot1[off], acc[r]);
+    } else {
+      static_assert(kOpt == Optimizer::kF2A);
+      F2AElement(h, w, a.slot0[off], a.slot1[off], acc[r]);
     }
     // As std::min(std::max(w, lo), hi) on CPU: NaN stays NaN.
     if (a.clip) w = w < a.clip_min ? a.clip_min : (w > a.clip_max ? a.clip_max : w);
@@ -727,6 +732,9 @@ PZSC_DEFINE_CUDA_GRAD_HANDLER(SparseDenseMatmulGradAdagradMomentumCuda,
                               Optimizer::kAdagradMomentum);
 PZSC_DEFINE_CUDA_GRAD_HANDLER(SparseDenseMatmulGradAdamCuda, Optimizer::kAdam);
 PZSC_DEFINE_CUDA_GRAD_HANDLER(SparseDenseMatmulGradFtrlCuda, Optimizer::kFtrl);
+PZSC_DEFINE_CUDA_GRAD_HANDLER(SparseDenseMatmulGradLaPropCuda,
+                              Optimizer::kLaProp);
+PZSC_DEFINE_CUDA_GRAD_HANDLER(SparseDenseMatmulGradF2ACuda, Optimizer::kF2A);
 
 #undef PZSC_DEFINE_CUDA_GRAD_HANDLER
 

@@ -1,5 +1,6 @@
 // Backward handlers fused with the optimizer update (CPU), one per optimizer:
-// pzsc_sparse_dense_matmul_grad_{sgd,adagrad,adagrad_momentum,adam,ftrl}.
+// pzsc_sparse_dense_matmul_grad_{sgd,adagrad,adagrad_momentum,adam,ftrl,
+// laprop,f2a}.
 //
 // Operands: activation_grad f32[num_segments * samples_per_segment, D], the
 // COO buffers (as in the forward), table f32[R, D], the optimizer's slots
@@ -270,6 +271,8 @@ PZSC_DEFINE_GRAD_HANDLER(SparseDenseMatmulGradAdagradMomentumCpu,
                          Optimizer::kAdagradMomentum);
 PZSC_DEFINE_GRAD_HANDLER(SparseDenseMatmulGradAdamCpu, Optimizer::kAdam);
 PZSC_DEFINE_GRAD_HANDLER(SparseDenseMatmulGradFtrlCpu, Optimizer::kFtrl);
+PZSC_DEFINE_GRAD_HANDLER(SparseDenseMatmulGradLaPropCpu, Optimizer::kLaProp);
+PZSC_DEFINE_GRAD_HANDLER(SparseDenseMatmulGradF2ACpu, Optimizer::kF2A);
 
 #undef PZSC_DEFINE_GRAD_HANDLER
 

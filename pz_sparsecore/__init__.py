@@ -34,6 +34,9 @@ _EXPORTS = {
   "AdamOptimizerSpec": "specs",
   "FTRLOptimizerSpec": "specs",
   "QuantizationConfig": "specs",
+  "LaPropOptimizerSpec": "specs",
+  "F2AOptimizerSpec": "specs",
+  "CustomOptimizerSpec": "specs",
   # layout
   "prepare_feature_specs_for_training": "layout",
   "stack_tables": "layout",

@@ -7,7 +7,12 @@ and order of the float32 vector the kernels read, and how a spec computes
 them at a step), its static attributes (compile-time switches passed to the
 kernels), and its per-row update as a JAX function. That function is the
 reference the C++ and CUDA row updates (`csrc/optimizers.h`) are tested
-against; the equations are upstream's (research notes, section 4.3).
+against; the equations are upstream's (research notes, section 4.3; LaProp
+and F2A as upstream's `sparse_dense_matmul_grad_with_{laprop,f2a}.py`).
+
+A custom optimizer (`specs.CustomOptimizerSpec`) is an entry too, made from
+the user's function by `custom`: not in the registry, and with no compiled
+handler (`compiled=False`), so its update always runs as JAX.
 
 The optimizer specs (`specs.py`) read their slots and hyper-parameters from
 here; the reference kernel, the FFI wrappers and the routing look entries up
@@ -62,6 +67,8 @@ class Optimizer:
       elementwise on `[n, dim]` rows; `h` is the hyper-parameter vector.
     static_attributes: Spec fields passed to the kernels as compile-time
       attributes (and to `update` as keywords).
+    compiled: Whether the C++ handlers implement it (FFI target
+      `pzsc_sparse_dense_matmul_grad_{name}`); False for a custom optimizer.
   """
 
   name: str
@@ -70,6 +77,7 @@ class Optimizer:
   hyperparameters: Callable[[Any, jax.Array, Any], tuple[jax.Array, ...]]
   update: RowUpdate
   static_attributes: tuple[str, ...] = ()
+  compiled: bool = True
 
   @property
   def slot_names(self) -> tuple[str, ...]:
@@ -138,6 +146,60 @@ def _ftrl(w, slots, g, h, *, multiply_linear_by_learning_rate=False):
   return num / den, (a_new, lin)
 
 
+def _laprop(w, slots, g, h):
+  mu, nu = slots
+  lr, b1, decay, eps = (h[i] for i in range(4))
+  nu = decay * nu + (1.0 - decay) * (g * g + eps)
+  mu = b1 * mu + jnp.sqrt(1.0 - b1 * b1) * (g / jnp.sqrt(nu))
+  return w - lr * mu, (mu, nu)
+
+
+def _f2a(w, slots, g, h):
+  acc, local_step = slots
+  lr, rho, l1, l2, max_multiplier, step = (h[i] for i in range(6))
+  local_step = local_step + 1.0
+  ratio = jnp.maximum(step, 1.0) / local_step
+  multiplier = jnp.minimum(jnp.power(ratio, rho), max_multiplier)
+  acc = acc + g * g
+  update = multiplier * g / jnp.sqrt(acc) + (l1 * jnp.sign(w) + l2 * w)
+  return w - lr * update, (acc, local_step)
+
+
+def _custom_update(name: str, fn: Callable, num_slots: int) -> RowUpdate:
+  """The row update of a custom optimizer: `fn` once per row, as upstream.
+
+  Upstream calls `fn(grad, table, *slots, *hyperparameters)` on one row at
+  a time, every argument (hyper-parameters broadcast) a float32 `[1, dim]`
+  array, and reads back the new table row, or a tuple `(table, *slots)`.
+  Here `fn` is vmapped over the `[n, dim]` rows, so it sees exactly those
+  shapes.
+  """
+
+  def one_row(h, w, g, *slots):
+    dim = w.shape[-1]
+    hyper = [jnp.broadcast_to(h[i], (1, dim)) for i in range(h.shape[0])]
+    out = fn(g[None], w[None], *(s[None] for s in slots), *hyper)
+    leaves = [jnp.asarray(x) for x in jax.tree.leaves(out)]
+    if len(leaves) != 1 + num_slots or any(
+      x.shape != (1, dim) or x.dtype != jnp.float32 for x in leaves
+    ):
+      raise ValueError(
+        f"CustomOptimizerSpec {name!r}: custom_computation_fn must return "
+        f"{1 + num_slots} float32 [1, {dim}] arrays (the table row, then "
+        f"each of its {num_slots} slots), got "
+        f"{[(x.dtype.name, x.shape) for x in leaves]}"
+      )
+    return tuple(x[0] for x in leaves)
+
+  def update(w, slots, g, h):
+    new_w, *new_slots = jax.vmap(
+      one_row, in_axes=(None, 0, 0) + (0,) * len(slots)
+    )(h, w, g, *slots)
+    return new_w, tuple(new_slots)
+
+  return update
+
+
 # ---------------------------------------------------------------------------
 # Hyper-parameters at a step.
 
@@ -158,6 +220,24 @@ def _adam_hyper(spec, lr, step):
   b1, b2 = jnp.float32(spec.beta_1), jnp.float32(spec.beta_2)
   c = jnp.sqrt(1.0 - b2**t)
   return (lr * c / (1.0 - b1**t), b1, b2, jnp.float32(spec.epsilon) * c)
+
+
+def _laprop_hyper(spec, lr, step):
+  """`(lr, b1, decay, eps)`, decay the spec's step-corrected b2."""
+  return (lr, _f32(spec.b1), spec.get_decay_rate(step), _f32(spec.eps))
+
+
+def _f2a_hyper(spec, lr, step):
+  """`(lr, rho, l1, l2, max_lr_multiplier, step)`, the step as float32."""
+  return (
+    *_lr_and(
+      "rho",
+      "l1_regularization_strength",
+      "l2_regularization_strength",
+      "max_lr_multiplier",
+    )(spec, lr, step),
+    _f32(0 if step is None else step),
+  )
 
 
 _ACCUMULATOR = Slot("accumulator", "initial_accumulator_value")
@@ -203,17 +283,47 @@ REGISTRY: dict[str, Optimizer] = {
       _ftrl,
       static_attributes=("multiply_linear_by_learning_rate",),
     ),
+    Optimizer(
+      "laprop",
+      (Slot("mu", "initial_slot_value"), Slot("nu", "initial_slot_value")),
+      ("learning_rate", "b1", "decay_rate", "eps"),
+      _laprop_hyper,
+      _laprop,
+    ),
+    Optimizer(
+      "f2a",
+      (_ACCUMULATOR, Slot("local_step", "initial_local_step_value")),
+      ("learning_rate", "rho", "l1", "l2", "max_lr_multiplier", "step"),
+      _f2a_hyper,
+      _f2a,
+    ),
   )
 }
 """Optimizers of the fused update, by kernel name."""
 
 
-def get(name: str) -> Optimizer:
-  """The registry entry of optimizer `name`.
+def custom(name: str, fn: Callable, slot_names: tuple[str, ...]) -> Optimizer:
+  """The entry of a custom optimizer: `fn` (upstream's calling convention,
+  see `_custom_update`) with slots `slot_names`, reading `(learning_rate,)`.
+  """
+  return Optimizer(
+    name,
+    tuple(Slot(slot) for slot in slot_names),
+    ("learning_rate",),
+    _lr_and(),
+    _custom_update(name, fn, len(slot_names)),
+    compiled=False,
+  )
+
+
+def get(name: str | Optimizer) -> Optimizer:
+  """The registry entry of optimizer `name` (an entry is returned as is).
 
   Raises:
     ValueError: If no optimizer has that name.
   """
+  if isinstance(name, Optimizer):
+    return name
   try:
     return REGISTRY[name]
   except KeyError:

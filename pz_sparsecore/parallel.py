@@ -295,7 +295,7 @@ def _local_update(
     *buffers,
     table,
     slots,
-    optimizer=stack.optimizer.short_name(),
+    optimizer=stack.optimizer.definition,
     hyperparameters=hyper,
     static_attributes=stack.optimizer.static_attributes(),
     **shape,

@@ -19,7 +19,9 @@ optimizer registry (`optimizers.py`), which holds its slots, the order of the
 hyper-parameters its fused update receives, and its row update; for example
 Adagrad has the slot `accumulator` (initial value 0.1) and reads `(lr,)`.
 Adam's hyper-parameters carry the bias correction for `t = step + 1`, so the
-kernel needs no step of its own.
+kernel needs no step of its own; so do LaProp's (its decay rate at the step)
+and F2A's (the step itself, as a float). A `CustomOptimizerSpec` carries its
+own row update, a JAX function, instead of a registry name.
 """
 
 from __future__ import annotations
@@ -159,18 +161,27 @@ class OptimizerSpec:
       value = getattr(self, field.name)
       if field.type in ("float", float):
         _check_finite(type(self).__name__, field.name, value)
-    self._check_accumulator()
+    self._check_hyperparameters()
 
-  def _check_accumulator(self) -> None:
-    """Refuses values for which an update would divide zero by zero."""
+  def _check_hyperparameters(self) -> None:
+    """Refuses values for which an update is undefined (0 / 0, the root
+    of a negative number) or that upstream does not support."""
+
+  def _require(self, field: str, ok: bool, rule: str, why: str) -> None:
+    """Raises a ValueError naming the optimizer and `field` unless `ok`."""
+    if not ok:
+      raise ValueError(
+        f"{type(self).__name__}: {field} must be {rule}, got "
+        f"{getattr(self, field)!r} ({why})"
+      )
 
   def _require_positive_accumulator(self, why: str) -> None:
-    value = self.initial_accumulator_value
-    if not value > 0:
-      raise ValueError(
-        f"{type(self).__name__}: initial_accumulator_value must be > 0, got "
-        f"{value!r} ({why})"
-      )
+    self._require(
+      "initial_accumulator_value",
+      self.initial_accumulator_value > 0,
+      "> 0",
+      why,
+    )
 
   @property
   def definition(self) -> optimizers.Optimizer:
@@ -238,6 +249,13 @@ class OptimizerSpec:
     }
 
 
+_ZERO_OVER_ZERO = (
+  "a row component whose gradient has always been 0 would be updated by "
+  "0 / sqrt(0)"
+)
+"""Why an Adagrad-style accumulator must start above 0."""
+
+
 def _constant(value: float) -> Initializer:
   return jax.nn.initializers.constant(value, dtype=jnp.float32)
 
@@ -260,11 +278,8 @@ class AdagradOptimizerSpec(OptimizerSpec):
   learning_rate: LearningRate = 0.001
   initial_accumulator_value: float = 0.1
 
-  def _check_accumulator(self) -> None:
-    self._require_positive_accumulator(
-      "a row component whose gradient has always been 0 would be updated by "
-      "0 / sqrt(0)"
-    )
+  def _check_hyperparameters(self) -> None:
+    self._require_positive_accumulator(_ZERO_OVER_ZERO)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,7 +297,7 @@ class AdagradMomentumOptimizerSpec(OptimizerSpec):
   initial_accumulator_value: float = 0.1
   initial_momentum_value: float = 0.0
 
-  def _check_accumulator(self) -> None:
+  def _check_hyperparameters(self) -> None:
     if self.epsilon > 0:
       return
     if self.beta2 != 1.0:
@@ -324,7 +339,7 @@ class FTRLOptimizerSpec(OptimizerSpec):
   initial_linear_value: float = 0.0
   multiply_linear_by_learning_rate: bool = False
 
-  def _check_accumulator(self) -> None:
+  def _check_hyperparameters(self) -> None:
     if self.initial_accumulator_value > 0:
       return
     if self.learning_rate_power > 0:
@@ -337,6 +352,214 @@ class FTRLOptimizerSpec(OptimizerSpec):
     self._require_positive_accumulator(
       "with beta = l2 = 0 a component whose gradient has always been 0 "
       "would be divided by accumulator ** -learning_rate_power = 0"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class LaPropOptimizerSpec(OptimizerSpec):
+  """LaProp (arXiv 2002.04839), as upstream: momentum on the normalised step.
+
+  At step `t`, with `decay = get_decay_rate(t)` (a bias-corrected `b2`):
+  `nu <- decay nu + (1 - decay)(g**2 + eps)`,
+  `mu <- b1 mu + sqrt(1 - b1**2) g / sqrt(nu)`, `w <- w - lr mu`.
+  Both slots start at `initial_slot_value`. Upstream does not implement
+  `rms_clip_threshold`; it must be None.
+  """
+
+  kernel_name: ClassVar[str] = "laprop"
+
+  learning_rate: LearningRate = 0.001
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-30
+  rms_clip_threshold: float | None = None
+  initial_slot_value: float = 0.0
+
+  def _check_hyperparameters(self) -> None:
+    self._require(
+      "rms_clip_threshold",
+      self.rms_clip_threshold is None,
+      "None",
+      "clipping by RMS is not supported, as upstream",
+    )
+    self._require(
+      "b1", 0 <= self.b1 <= 1, "in [0, 1]", "the step scales by sqrt(1 - b1**2)"
+    )
+    self._require(
+      "b2",
+      0 <= self.b2 < 1,
+      "in [0, 1)",
+      "the decay rate b2 (1 - b2**t) / (1 - b2**(t + 1)) is 0 / 0 at b2 = 1",
+    )
+    self._require(
+      "eps",
+      self.eps > 0,
+      "> 0",
+      "a row whose gradient is 0 at step 0 would be updated by 0 / sqrt(0)",
+    )
+    self._require(
+      "initial_slot_value",
+      self.initial_slot_value >= 0,
+      ">= 0",
+      "it is nu's initial value, and a negative nu can make sqrt(nu) NaN",
+    )
+
+  def get_decay_rate(self, step: jax.Array | int | None = None) -> jax.Array:
+    """The decay of `nu` at `step`: `b2 (1 - b2**t) / (1 - b2**(t + 1))`.
+
+    It is 0 at step 0 and tends to `b2`; without a step it is `b2`.
+
+    Returns:
+      A float32 scalar.
+    """
+    b2 = jnp.float32(self.b2)
+    if step is None:
+      return b2
+    t = jnp.asarray(step, jnp.float32)
+    return b2 * (1.0 - b2**t) / (1.0 - b2 ** (t + 1.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class F2AOptimizerSpec(OptimizerSpec):
+  """Frequency-aware Adagrad (F2A), as upstream.
+
+  At global step `t` (`get_hyperparameters(t)`; 0 without a step), for a
+  row with slots accumulator `a` and local step `n` (how many steps have
+  updated it): `n <- n + 1`,
+  `f = min((max(t, 1) / n)**rho, max_lr_multiplier)`, `a <- a + g**2`,
+  `w <- w - lr (f g / sqrt(a) + l1 sign(w) + l2 w)`: rarely seen rows take
+  larger steps.
+  """
+
+  kernel_name: ClassVar[str] = "f2a"
+
+  learning_rate: LearningRate = 0.01
+  rho: float = 0.5
+  initial_accumulator_value: float = 0.1
+  initial_local_step_value: float = 0.0
+  l1_regularization_strength: float = 0.0
+  l2_regularization_strength: float = 0.0
+  max_lr_multiplier: float = 1e6
+
+  def _check_hyperparameters(self) -> None:
+    self._require_positive_accumulator(_ZERO_OVER_ZERO)
+    self._require(
+      "initial_local_step_value",
+      self.initial_local_step_value >= 0,
+      ">= 0",
+      "it counts the updates of a row",
+    )
+    for field in ("l1_regularization_strength", "l2_regularization_strength"):
+      self._require(
+        field, getattr(self, field) >= 0, ">= 0", "a regularisation strength"
+      )
+    self._require(
+      "max_lr_multiplier",
+      self.max_lr_multiplier > 0,
+      "> 0",
+      "it caps the learning-rate multiplier",
+    )
+
+  def get_hyperparameters(
+    self, step: jax.Array | int | None = None
+  ) -> tuple[jax.Array, ...]:
+    """`(lr, rho, l1, l2, max_lr_multiplier, step)` at `step` (None: 0)."""
+    return super().get_hyperparameters(0 if step is None else step)
+
+
+def _accepts(fn: Callable[..., Any], num_args: int) -> bool:
+  """Whether `fn` can be called with `num_args` positional arguments (True
+  when its signature cannot be read)."""
+  try:
+    inspect.signature(fn).bind(*range(num_args))
+  except TypeError:
+    return False
+  except ValueError:
+    return True
+  return True
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomOptimizerSpec(OptimizerSpec):
+  """An optimizer given as a JAX function of one row, as upstream.
+
+  `custom_computation_fn(grad, table, *slots, learning_rate)` receives one
+  table row, its summed gradient, its slots and the learning rate, each a
+  float32 `[1, dim]` array, and returns the new row, or the tuple
+  `(new_row, *new_slots)`. Slot `i` starts from
+  `slot_variable_initializers_tuple[i]` and is named by the tuple's field
+  (a NamedTuple) or `slot_{i}`. Example, Adagrad::
+
+    def adagrad(grad, table, accumulator, lr):
+      accumulator = accumulator + grad * grad
+      return table - lr * grad / jnp.sqrt(accumulator), accumulator
+
+    CustomOptimizerSpec(0.1, adagrad, (jax.nn.initializers.constant(0.1),))
+
+  Implementation: pure JAX, with no compiled handler on any platform. The
+  fused update (the reference backward, `kernels.reference`) sums the
+  gradient of each row the batch references, gathers those rows and their
+  slots, applies the function to them (vmapped over the rows: exactly
+  upstream's per-row call) and scatters them back into the donated table
+  and slots, in place: O(referenced rows x dim), never O(vocabulary), and
+  deterministic. `implementation="ffi"` is an error.
+  """
+
+  kernel_name: ClassVar[str] = "custom"
+
+  learning_rate: LearningRate = 0.001
+  custom_computation_fn: Callable[..., Any] | None = None
+  slot_variable_initializers_tuple: tuple[Initializer, ...] = ()
+  short_name_str: str = "custom"
+
+  def _check_hyperparameters(self) -> None:
+    self._require(
+      "custom_computation_fn",
+      callable(self.custom_computation_fn),
+      "a callable",
+      "it is the optimizer's row update",
+    )
+    inits = self.slot_variable_initializers_tuple
+    if isinstance(inits, list):
+      object.__setattr__(self, "slot_variable_initializers_tuple", tuple(inits))
+    self._require(
+      "slot_variable_initializers_tuple",
+      isinstance(inits, (tuple, list)) and all(map(callable, inits)),
+      "a tuple of initializers",
+      "one per slot",
+    )
+    self._require(
+      "short_name_str",
+      isinstance(self.short_name_str, str) and bool(self.short_name_str),
+      "a non-empty string",
+      "it names the optimizer",
+    )
+    num_slots = len(self.slot_variable_initializers_tuple)
+    self._require(
+      "custom_computation_fn",
+      _accepts(self.custom_computation_fn, 2 + num_slots + 1),
+      f"a function of {2 + num_slots + 1} arguments",
+      f"it is called as fn(grad, table, *{num_slots} slots, learning_rate)",
+    )
+
+  @property
+  def definition(self) -> optimizers.Optimizer:
+    """The optimizer's entry, made from `custom_computation_fn`."""
+    return optimizers.custom(
+      self.short_name_str, self.custom_computation_fn, self.slot_names()
+    )
+
+  def short_name(self) -> str:
+    return self.short_name_str
+
+  def slot_variables_initializers(self) -> tuple[Initializer, ...]:
+    return self.slot_variable_initializers_tuple
+
+  def slot_names(self) -> tuple[str, ...]:
+    inits = self.slot_variable_initializers_tuple
+    return tuple(
+      getattr(inits, "_fields", None)
+      or (f"slot_{i}" for i in range(len(inits)))
     )
 
 

@@ -177,10 +177,12 @@ def _slots(optimizer: str, table: np.ndarray, seed: int) -> tuple:
   n = len(optimizers.REGISTRY[optimizer].slot_names)
   out = []
   for i in range(n):
-    if optimizer in ("adagrad", "adagrad_momentum", "ftrl") and i == 0:
+    if optimizer in ("adagrad", "adagrad_momentum", "ftrl", "f2a") and i == 0:
       out.append(rng.uniform(0.1, 1.0, table.shape).astype(np.float32))
-    elif optimizer == "adam" and i == 1:
+    elif optimizer in ("adam", "laprop") and i == 1:
       out.append(rng.uniform(0.0, 0.5, table.shape).astype(np.float32))
+    elif optimizer == "f2a":  # local_step: a count of updates.
+      out.append(rng.integers(0, 5, table.shape).astype(np.float32))
     else:
       out.append(rng.normal(size=table.shape).astype(np.float32) * 0.1)
   return tuple(out)
@@ -192,6 +194,8 @@ HYPERPARAMETERS = {
   "adagrad_momentum": [0.05, 0.9, 1.0, 1e-8, 2.0, 0.0],
   "adam": [0.01, 0.9, 0.999, 1e-7],
   "ftrl": [0.1, -0.5, 0.0, 0.0, 0.0],
+  "laprop": [0.01, 0.9, 0.7, 1e-30],
+  "f2a": [0.05, 0.5, 0.01, 0.02, 100.0, 7.0],
 }
 GRAD_CASES = [
   ("sgd", HYPERPARAMETERS["sgd"], {}),
@@ -202,6 +206,10 @@ GRAD_CASES = [
   ("ftrl", HYPERPARAMETERS["ftrl"], {MLR: False}),
   ("ftrl", [0.1, -0.7, 0.05, 0.1, 0.2], {MLR: False}),
   ("ftrl", [0.1, -0.5, 0.05, 0.1, 0.2], {MLR: True}),
+  ("laprop", HYPERPARAMETERS["laprop"], {}),
+  ("laprop", [0.01, 0.5, 0.0, 1e-8], {}),
+  ("f2a", HYPERPARAMETERS["f2a"], {}),
+  ("f2a", [0.05, 1.5, 0.0, 0.0, 3.0, 0.0], {}),
 ]
 
 FORWARD_CASES = {
@@ -702,9 +710,13 @@ def test_backend_info_reports_this_build():
   assert os.path.isfile(info.extension_path)
   assert info.abi_version == info.expected_abi_version == ffi.ABI_VERSION
   labels = ["forward"] + [f"grad {name}" for name in optimizers.REGISTRY]
-  assert list(info.implementations) == labels
-  for per_platform in info.implementations.values():
-    assert per_platform == {
+  assert list(info.implementations) == labels + ["grad custom"]
+  assert info.implementations["grad custom"] == {
+    "cpu": "reference",
+    "cuda": "reference",
+  }
+  for label in labels:
+    assert info.implementations[label] == {
       "cpu": "ffi",
       "cuda": "ffi" if info.cuda_build else "reference",
     }

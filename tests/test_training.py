@@ -261,7 +261,14 @@ def gains(row_weights: np.ndarray, combiner: str) -> np.ndarray:
 
 
 class Reference:
-  """Logical tables and slots, stepped with the numpy equations."""
+  """Logical tables and slots, stepped with the numpy equations.
+
+  `initial_slots` and `row_update` are the equations; a subclass adds
+  optimizers by overriding them.
+  """
+
+  initial_slots = staticmethod(initial_slots)
+  row_update = staticmethod(row_update)
 
   def __init__(self, tables: dict[str, np.ndarray], table_specs=TABLES):
     self.specs = table_specs
@@ -269,7 +276,7 @@ class Reference:
     self.slots = {
       name: {
         k: np.full(tables[name].shape, np.float32(v), np.float64)
-        for k, v in initial_slots(opt).items()
+        for k, v in self.initial_slots(opt).items()
       }
       for name, (opt, *_) in table_specs.items()
     }
@@ -285,7 +292,7 @@ class Reference:
         for r, gj in zip(row, gain, strict=True):
           g[r] += gj * grads[feature][b].astype(np.float64)
       rows = np.unique(np.concatenate(ids[feature]))
-      w, slots = row_update(
+      w, slots = self.row_update(
         opt,
         self.tables[name][rows],
         {k: v[rows] for k, v in self.slots[name].items()},

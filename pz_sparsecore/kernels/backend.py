@@ -4,12 +4,13 @@ Example (a CPU-only build)::
 
   >>> print(pz_sparsecore.backend_info())
   pz_sparsecore kernels: .../pz_sparsecore/_pzsc_ffi.cpython-311-...so
-    ABI version 4 (expected 4), CUDA handlers: no
+    ABI version 5 (expected 5), CUDA handlers: no
     ragged-id reader: .../pz_sparsecore/_pzsc_ragged.cpython-311-...so
     target                  cpu        cuda
     forward                 ffi        reference
     grad sgd                ffi        reference
     ...
+    grad custom             reference  reference
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ class BackendInfo:
       None if it did not load (ids are then converted in Python).
     implementations: Target label (``"forward"``, ``"grad adagrad"``, ...)
       → platform → what ``implementation=None`` runs there: ``"ffi"``,
-      ``"reference"`` or ``"error"`` (ABI mismatch: calls raise).
+      ``"reference"`` or ``"error"`` (ABI mismatch: calls raise). The last
+      label, ``"grad custom"``, is every custom optimizer's update
+      (``CustomOptimizerSpec``): always ``"reference"`` (its JAX function in
+      the pure-JAX backward; there is no compiled handler to run).
   """
 
   extension_path: str | None
@@ -71,6 +75,10 @@ class BackendInfo:
     return "\n".join(line.rstrip() for line in lines)
 
 
+_CUSTOM_LABEL = "grad custom"
+"""The label of custom optimizers' updates in ``implementations``."""
+
+
 def _targets() -> dict[str, str]:
   """Target label → FFI target name, for every public kernel."""
   targets = {"forward": ffi.FORWARD_TARGET}
@@ -100,5 +108,6 @@ def backend_info() -> BackendInfo:
         for p in dispatch.PLATFORMS
       }
       for label, target in _targets().items()
-    },
+    }
+    | {_CUSTOM_LABEL: {p: "reference" for p in dispatch.PLATFORMS}},
   )

@@ -18,7 +18,8 @@ holding partitions 2 and 3::
                  num_outputs=32, num_rows=64, ...)
 
 The backward also takes an optimizer by name, looked up in the optimizer
-registry (``pz_sparsecore.optimizers``): its slots, hyper-parameter vector and
+registry (``pz_sparsecore.optimizers``), or its entry (a custom optimizer's,
+from ``optimizers.custom``): its slots, hyper-parameter vector and
 static attributes (compile-time switches such as FTRL's
 ``multiply_linear_by_learning_rate``) are checked against the registry entry.
 A static attribute the caller leaves out takes the default of the entry's
@@ -194,7 +195,7 @@ def check_grad_operands(
   activation_grad,
   table,
   slots: Sequence,
-  optimizer: str,
+  optimizer: str | optimizers.Optimizer,
   hyperparameters,
   clip: tuple[float, float] | None,
 ) -> optimizers.Optimizer:
@@ -205,7 +206,7 @@ def check_grad_operands(
     activation_grad: float32 ``[num_outputs, dim]``.
     table: The table, as given to :func:`check_buffers`.
     slots: One array shaped like ``table`` per slot of the optimizer.
-    optimizer: The optimizer's registry name.
+    optimizer: The optimizer's registry name, or its entry.
     hyperparameters: float32 vector of the optimizer's hyper-parameters.
     clip: None, or a ``(min, max)`` pair with ``min <= max``.
 
@@ -226,7 +227,7 @@ def check_grad_operands(
     )
   if not isinstance(slots, (tuple, list)) or len(slots) != len(info.slot_names):
     raise ValueError(
-      f"Optimizer {optimizer!r} needs slots {info.slot_names}, got "
+      f"Optimizer {info.name!r} needs slots {info.slot_names}, got "
       f"{len(slots) if isinstance(slots, (tuple, list)) else slots!r}."
     )
   for name, slot in zip(info.slot_names, slots, strict=True):
@@ -239,7 +240,7 @@ def check_grad_operands(
   _check_array(hyperparameters, "hyperparameters", jnp.float32, 1)
   if hyperparameters.shape[0] != len(info.hyperparameter_names):
     raise ValueError(
-      f"Optimizer {optimizer!r} takes hyperparameters "
+      f"Optimizer {info.name!r} takes hyperparameters "
       f"{info.hyperparameter_names}, got a vector of length "
       f"{hyperparameters.shape[0]}."
     )

@@ -17,6 +17,11 @@ target and the caller's ``implementation``:
 An extension built for another ABI version is an error for ``"ffi"`` and
 ``None`` alike (``ffi.ExtensionMismatchError``), never a fallback.
 
+A kernel with no compiled handler by design (target None: the fused update
+of a custom optimizer, whose row update is the user's JAX function) has one
+implementation, the pure-JAX one: ``None`` and ``"reference"`` run it,
+without a warning (``backend_info`` lists it), and ``"ffi"`` is an error.
+
 The lowering-time warning comes from a marker: the reference branch passes
 one integer operand through an identity primitive whose lowering rule warns
 for the platforms it is lowered for. Branches that ``platform_dependent``
@@ -113,7 +118,7 @@ def _marked(target: str, reference_fn: Callable) -> Callable:
 
 
 def choose(
-  target: str,
+  target: str | None,
   implementation: str | None,
   ffi_fn: Callable,
   reference_fn: Callable,
@@ -121,7 +126,8 @@ def choose(
   """The function running ``implementation`` of ``target`` (see above).
 
   Args:
-    target: The FFI target name.
+    target: The FFI target name; None for a kernel with no compiled
+      handler (see above).
     implementation: ``None``, ``"ffi"`` or ``"reference"`` (checked by
       :func:`check_implementation`).
     ffi_fn: Runs the handler.
@@ -129,11 +135,18 @@ def choose(
 
   Raises:
     ValueError: If ``implementation`` is ``"ffi"`` and the extension has no
-      handler for ``target``.
+      handler for ``target`` (or ``target`` is None).
     ffi.ExtensionMismatchError: If the extension has another ABI version and
       ``implementation`` is not ``"reference"``.
   """
   if implementation == "reference":
+    return reference_fn
+  if target is None:
+    if implementation == "ffi":
+      raise ValueError(
+        "This kernel has no compiled handler: a custom optimizer's update "
+        "runs its JAX function; pass implementation=None or 'reference'."
+      )
     return reference_fn
   ffi.require_compatible()
   if implementation == "ffi":

@@ -53,7 +53,7 @@ import numpy as np
 from pz_sparsecore import _extension, optimizers
 from pz_sparsecore.kernels import contract
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 """The handlers' ABI this package was written for (``kAbiVersion`` in
 ``csrc/module.cc``)."""
 

@@ -14,6 +14,12 @@ dispatch to an implementation:
 * ``"ffi"``: the handler (the call fails to lower on a platform without one).
 * ``"reference"``: the pure-JAX reference (``reference.py``).
 
+The fused update of a custom optimizer (``CustomOptimizerSpec``, passed as
+its entry ``spec.definition``) has no compiled handler on any platform: its
+JAX row update runs in the reference backward, on the referenced rows only
+(O(entries), in place when the table and slots are donated), for
+``implementation`` None or ``"reference"``; ``"ffi"`` is an error.
+
 ``pz_sparsecore.backend_info()`` reports which one runs where. Both
 implementations accept any buffer contents: unsorted, negative or huge ids
 and sample ids are skipped or summed exactly as the contract says; row
@@ -32,6 +38,7 @@ from typing import Any
 
 import jax
 
+from pz_sparsecore import optimizers
 from pz_sparsecore.kernels import contract, dispatch, ffi, reference
 
 
@@ -156,7 +163,7 @@ def sparse_dense_matmul_grad(
   table: jax.Array,
   slots: Sequence[jax.Array],
   *,
-  optimizer: str,
+  optimizer: str | optimizers.Optimizer,
   hyperparameters: jax.Array,
   num_segments: int,
   samples_per_segment: int,
@@ -193,8 +200,8 @@ def sparse_dense_matmul_grad(
     slots: The optimizer's slot variables in its ``slot_names`` order, each
       shaped like ``table``: ``()`` for sgd, ``(accumulator, linear)`` for
       ftrl.
-    optimizer: A name in the optimizer registry: ``"sgd"``, ``"adagrad"``,
-      ``"adagrad_momentum"``, ``"adam"`` or ``"ftrl"``.
+    optimizer: A registry name (``"sgd"``, ..., ``"f2a"``) or an entry
+      (``spec.definition``; a custom optimizer's: see the module doc).
     hyperparameters: float32 vector in the optimizer's
       ``hyperparameter_names`` order, e.g. ftrl ``(lr, lr_power, l1, l2,
       beta)``; adam's arrive bias-corrected. An operand, so a new value
@@ -233,7 +240,7 @@ def _fused_update(
   *,
   activation_grad: jax.Array,
   slots: Sequence[jax.Array],
-  optimizer: str,
+  optimizer: str | optimizers.Optimizer,
   hyperparameters: jax.Array,
   clip: tuple[float, float] | None,
   static_attributes: Mapping[str, Any] | None,
@@ -252,16 +259,20 @@ def _fused_update(
     shape, activation_grad, table, slots, optimizer, hyperparameters, clip
   )
   kwargs = dict(
-    optimizer=optimizer,
     clip=None if clip is None else (float(clip[0]), float(clip[1])),
     static_attributes=contract.check_static_attributes(info, static_attributes),
   )
   fn = dispatch.choose(
-    ffi.grad_target(optimizer),
+    ffi.grad_target(info.name) if info.compiled else None,
     implementation,
-    _grad_fn(ffi.sparse_dense_matmul_grad, shape, **kwargs),
+    _grad_fn(
+      ffi.sparse_dense_matmul_grad, shape, optimizer=info.name, **kwargs
+    ),
     _as_matrices(
-      _grad_fn(reference.sparse_dense_matmul_grad, shape, **kwargs), shape.dim
+      _grad_fn(
+        reference.sparse_dense_matmul_grad, shape, optimizer=info, **kwargs
+      ),
+      shape.dim,
     ),
   )
   new_table, new_slots = fn(

@@ -146,7 +146,7 @@ def sparse_dense_matmul_grad(
   slots: Sequence[jax.Array],
   shape: contract.BufferShape,
   *,
-  optimizer: str,
+  optimizer: str | optimizers.Optimizer,
   hyperparameters: jax.Array,
   clip: tuple[float, float] | None = None,
   static_attributes: Mapping[str, Any] | None = None,
@@ -162,7 +162,8 @@ def sparse_dense_matmul_grad(
     table: float32 ``[num_rows, dim]``.
     slots: The optimizer's slot variables, each shaped like ``table``.
     shape: The validated buffer shape.
-    optimizer: A name in the optimizer registry.
+    optimizer: A name in the optimizer registry, or an entry (a custom
+      optimizer's).
     hyperparameters: float32 vector in the optimizer's order.
     clip: Optional ``(min, max)`` for the updated table rows.
     static_attributes: The optimizer's static attributes, passed to its
