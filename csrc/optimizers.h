@@ -79,12 +79,14 @@ PZSC_HOST_DEVICE void SgdElement(const Hyperparameters& h, float& w, float g) {
   w -= h.v[0] * g;
 }
 
-// a <- a + g^2; w <- w - lr * g / sqrt(a).
+// a <- a + g^2; w <- w - lr * g / sqrt(a), where a component with a == 0
+// (initial accumulator 0, gradient always 0) is left as it is (the update's
+// limit; upstream would write 0 / 0 = NaN).
 PZSC_HOST_DEVICE void AdagradElement(const Hyperparameters& h, float& w,
                                      float& a, float g) {
   const float acc = a + g * g;
   a = acc;
-  w -= h.v[0] * g / sqrtf(acc);
+  if (acc > 0.0f) w -= h.v[0] * g / sqrtf(acc);
 }
 
 // a <- a + g^2 (beta2 == 1) or beta2 a + (1 - beta2) g^2;

@@ -264,7 +264,9 @@ def _pack_entries(batch, features, stacks, scalars, t, sc, entries):
     for r in range(rows):
       a = row_splits[r0 + r]
       b = row_splits[r0 + r + 1]
-      sid = features.sample_offset[f] + r
+      # Upstream's sample id: within the SparseCore's samples, even where
+      # the offsets come from another batch size (a plan not for tables).
+      sid = (features.sample_offset[f] + r) % stacks.samples_per_sc[t]
       divisor = _divisor(stacks.combiner[t], weighted, weights, a, b)
       unit_gain = np.float32(1.0 / divisor)
       if not weighted_stack:

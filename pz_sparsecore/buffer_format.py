@@ -32,6 +32,9 @@ from typing import Any
 import numpy as np
 
 ALIGNMENT = 8
+# Minibatched buffers hold this many minibatches at most (upstream's
+# kMaxMinibatchingBuckets); their sizes are per-minibatch sizes times it.
+MAX_MINIBATCHES = 64
 """Every partition of a segment starts at a multiple of this many entries;
 every table's padded vocabulary per shard and padded width are multiples of
 it too."""

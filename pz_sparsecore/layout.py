@@ -164,6 +164,9 @@ def _replace_features(
 
   def update(feature: FeatureSpec) -> FeatureSpec:
     if feature.table_spec.name not in tables:
+      stacked = feature.table_spec.stacked_table_spec is not None
+      if stacked and feature.id_transformation is None:  # stacked by hand
+        return feature.replace(id_transformation=FeatureIdTransformation())
       return feature
     return feature.replace(
       table_spec=tables[feature.table_spec.name],
@@ -493,7 +496,10 @@ def prepare_feature_specs_for_training(
 
   Each unstacked table becomes a one-table stack named after it. Features
   sharing such a table are ordered by feature name and get consecutive
-  sample offsets. Tables already stacked are checked against the topology.
+  sample offsets. Tables already stacked are kept as they are, even if laid
+  out for another topology (as upstream; the layer and the kernels check the
+  layout where they size tables), and their features without an id
+  transformation get (0, 0, 0).
 
   Args:
     feature_specs: A pytree of `FeatureSpec`s.
@@ -504,8 +510,7 @@ def prepare_feature_specs_for_training(
     New feature specs, ready for preprocessing.
 
   Raises:
-    ValueError: On a bad topology, duplicate names, or stacks prepared for a
-      different number of shards.
+    ValueError: On a bad topology or duplicate names.
   """
   n = num_shards(global_device_count, num_sc_per_device)
   features = _feature_leaves(feature_specs)
@@ -529,12 +534,8 @@ def prepare_feature_specs_for_training(
         "stack_name to stack_tables"
       )
     if table.stacked_table_spec is not None:
-      padded = table.setting_in_stack.padded_vocab_size
-      if padded % (ALIGNMENT * n):
-        raise ValueError(
-          f"table {name!r} was stacked for another topology: padded vocab "
-          f"{padded} is not a multiple of 8 x {n} shards"
-        )
+      # Kept as stacked, even for another topology (as upstream): the layer
+      # and the kernels check the layout where they size tables.
       continue
     members = sorted(by_table[name], key=lambda f: f.name)
     sample_count = 0

@@ -107,7 +107,10 @@ def _sgd(w, slots, g, h):
 def _adagrad(w, slots, g, h):
   (a,) = slots
   a = a + g * g
-  return w - h[0] * g / jnp.sqrt(a), (a,)
+  # A component whose accumulator is still 0 (it started at 0 and its
+  # gradient has always been 0) stays as it is.
+  updated = w - h[0] * g / jnp.sqrt(jnp.where(a > 0, a, 1.0))
+  return jnp.where(a > 0, updated, w), (a,)
 
 
 def _adagrad_momentum(w, slots, g, h):

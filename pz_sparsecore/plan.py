@@ -28,6 +28,7 @@ import jax
 
 from pz_sparsecore import buffer_format, layout
 from pz_sparsecore.specs import (
+  FeatureIdTransformation,
   FeatureSpec,
   OptimizerSpec,
   StackedTableSpec,
@@ -126,6 +127,9 @@ class Plan:
     num_devices: G, devices the tables are sharded over.
     num_sc_per_device: S, (virtual) SparseCores per device.
     stacks: Per stack, in first-appearance order.
+    for_tables: Whether the plan sizes tables (see `build`). Preprocessing
+      with a plan that does not takes each feature's samples from the
+      input's rows, as upstream does, instead of from its `output_shape`.
   """
 
   feature_specs: tuple[FeatureSpec, ...]
@@ -133,6 +137,7 @@ class Plan:
   num_devices: int
   num_sc_per_device: int
   stacks: tuple[StackPlan, ...]
+  for_tables: bool = True
 
   def __hash__(self) -> int:
     # jit hashes its static arguments on every call: hash the specs once.
@@ -208,14 +213,22 @@ def _flatten_specs(feature_specs: Any) -> tuple[list[FeatureSpec], Any]:
       raise ValueError(
         f"feature_specs must hold FeatureSpec leaves, got {type(leaf).__name__}"
       )
-    table = leaf.table_spec
-    if table.stacked_table_spec is None or leaf.id_transformation is None:
+    if leaf.table_spec.stacked_table_spec is None:
       raise ValueError(
-        f"feature {leaf.name!r}: its specs are not prepared (table "
-        f"{table.name!r} has no stacked_table_spec); call "
-        "layout.prepare_feature_specs_for_training first"
+        f"feature {leaf.name!r} is not prepared (its table "
+        f"{leaf.table_spec.name!r} is in no stack); call "
+        "prepare_feature_specs_for_training first"
       )
   return leaves, treedef
+
+
+def id_transformation(spec: FeatureSpec) -> FeatureIdTransformation:
+  """The feature's id transformation; (0, 0, 0) where it has none.
+
+  A feature of an already stacked table without a transformation reads the
+  stack from its first row and sample, as upstream's does.
+  """
+  return spec.id_transformation or FeatureIdTransformation()
 
 
 def _check_stack(
@@ -248,8 +261,25 @@ def _check_stack(
     )
 
 
+def _check_rows_fit(
+  features: list[FeatureSpec], stacked: StackedTableSpec, n: int
+) -> None:
+  """Checks that every table's rows land inside its stack on `n` shards."""
+  rows_per_shard = stacked.stack_vocab_size // n
+  for spec in features:
+    vocab = spec.table_spec.vocabulary_size
+    offset = id_transformation(spec).col_offset // n
+    if (vocab - 1) // n + offset >= rows_per_shard:
+      raise ValueError(
+        f"feature {spec.name!r}: table {spec.table_spec.name!r} "
+        f"(vocabulary {vocab}, from row {offset} of each shard) does not "
+        f"fit in stack {stacked.stack_name!r} of {stacked.stack_vocab_size} "
+        f"rows on {n} shards"
+      )
+
+
 def _feature_plan(spec: FeatureSpec, n: int) -> FeaturePlan:
-  transform = spec.id_transformation
+  transform = id_transformation(spec)
   return FeaturePlan(
     spec=spec,
     sample_offset=transform.row_offset // n,
@@ -263,9 +293,11 @@ def _stack_plan(
   features: list[FeatureSpec], g: int, s: int, for_tables: bool
 ) -> StackPlan:
   stacked = features[0].table_spec.stacked_table_spec
+  n = g * s
   if for_tables:
     _check_stack(features, stacked, g, s)
-  n = g * s
+  else:
+    _check_rows_fit(features, stacked, n)
   samples = sum(f.sample_count for f in features)
   coo = buffer_format.coo_buffer_size_per_device(
     stacked.stack_name,
@@ -274,7 +306,7 @@ def _stack_plan(
     g,
     s,
   )
-  features = sorted(features, key=lambda f: f.id_transformation.row_offset)
+  features = sorted(features, key=lambda f: id_transformation(f).row_offset)
   return StackPlan(
     spec=stacked,
     tables=tuple(layout.get_table_stacks(features)[stacked.stack_name]),
@@ -310,6 +342,7 @@ def _build(
     stacks=tuple(
       _stack_plan(group, g, s, for_tables) for group in by_stack.values()
     ),
+    for_tables=for_tables,
   )
 
 

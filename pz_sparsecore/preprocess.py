@@ -497,7 +497,7 @@ def _kernel_args(
       item_size=_item_sizes(batch, rows_per_sc, first_feature, call),
     ),
     _feature_arrays(features, batch, rows_per_sc),
-    _stack_arrays(call, first_feature, batch.weighted),
+    _stack_arrays(call, first_feature, batch.weighted, rows_per_sc),
     _scalars(call),
     call.out,
   )
@@ -515,7 +515,7 @@ def _rows_per_sc(feature: plan_lib.FeaturePlan, batch: int, call: _Call) -> int:
       f" {num_local} local devices x {num_sc} SparseCores"
     )
   rows, n = batch // (num_local * num_sc), call.plan.num_shards
-  if rows * n != spec.sample_count:
+  if call.plan.for_tables and rows * n != spec.sample_count:
     raise ValueError(
       f"feature {spec.name!r}: {batch} local rows give {rows} samples per "
       f"SparseCore, i.e. {rows * n} global samples, but its spec has "
@@ -562,8 +562,13 @@ def _feature_arrays(
 
 
 def _stack_arrays(
-  call: _Call, first_feature: np.ndarray, feature_weighted: np.ndarray
+  call: _Call,
+  first_feature: np.ndarray,
+  feature_weighted: np.ndarray,
+  rows_per_sc: np.ndarray,
 ) -> _fill_numba.Stacks:
+  """Per-stack arrays; a stack's samples are its features' rows (upstream's
+  `batch_size_per_sc`, the plan's `samples_per_sc` when it sizes tables)."""
   stacks = call.plan.stacks
   return _fill_numba.Stacks(
     first_feature=first_feature,
@@ -579,7 +584,7 @@ def _stack_arrays(
     coo_per_sc=_int_array(stacks, lambda s: s.coo_per_sc),
     coo_offset=call.coo_offset[:-1],
     row_pointer_offset=call.row_pointer_offset[:-1],
-    samples_per_sc=_int_array(stacks, lambda s: s.samples_per_sc),
+    samples_per_sc=np.add.reduceat(rows_per_sc, first_feature[:-1]),
     weighted=np.logical_or.reduceat(feature_weighted, first_feature[:-1]),
   )
 

@@ -362,7 +362,9 @@ def preprocess_sparse_dense_matmul_input_from_sparse_tensor(
   """
   del all_reduce_interface
   strategy = _check_upstream_options(enable_minibatching, sharding_strategy)
-  plan = plan_lib.build(feature_specs, global_device_count, num_sc_per_device)
+  plan = plan_lib.build(
+    feature_specs, global_device_count, num_sc_per_device, for_tables=False
+  )
   trees = [
     ragged_input.leaves_like(plan.treedef, tree, what)
     for tree, what in (

@@ -271,7 +271,11 @@ class SGDOptimizerSpec(OptimizerSpec):
 
 @dataclasses.dataclass(frozen=True)
 class AdagradOptimizerSpec(OptimizerSpec):
-  """Adagrad: `a <- a + g**2; w <- w - lr * g / sqrt(a)`."""
+  """Adagrad: `a <- a + g**2; w <- w - lr * g / sqrt(a)`.
+
+  With `initial_accumulator_value=0` (accepted, as upstream), a component
+  whose accumulator is still 0 is not changed (upstream writes 0 / 0).
+  """
 
   kernel_name: ClassVar[str] = "adagrad"
 
@@ -279,7 +283,12 @@ class AdagradOptimizerSpec(OptimizerSpec):
   initial_accumulator_value: float = 0.1
 
   def _check_hyperparameters(self) -> None:
-    self._require_positive_accumulator(_ZERO_OVER_ZERO)
+    self._require(
+      "initial_accumulator_value",
+      self.initial_accumulator_value >= 0,
+      ">= 0",
+      "the square root of a negative accumulator",
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -268,8 +268,8 @@ def test_apply_gradients_refuses_bad_gradients(embed, grad, match):
   "make, match",
   [
     (
-      lambda: pzsc.AdagradOptimizerSpec(initial_accumulator_value=0.0),
-      "AdagradOptimizerSpec: initial_accumulator_value must be > 0, got 0.0",
+      lambda: pzsc.AdagradOptimizerSpec(initial_accumulator_value=-0.5),
+      "AdagradOptimizerSpec: initial_accumulator_value must be >= 0, got -0.5",
     ),
     (
       lambda: pzsc.FTRLOptimizerSpec(initial_accumulator_value=0.0),

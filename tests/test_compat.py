@@ -194,6 +194,68 @@ def test_lookups_of_specs_raise_upstreams_errors():
   assert set(embedding.get_stacked_table_specs(features)) == {"a_b"}
 
 
+def test_sizes_with_minibatching_are_upstreams():
+  # Upstream sizes minibatched buffers for 64 minibatches.
+  sizes = {
+    flag: (
+      embedding.compute_row_pointers_size_per_device(
+        global_device_count=1, num_sc_per_device=4, enable_minibatching=flag
+      ),
+      embedding.compute_theoretical_max_coo_buffer_size(
+        12, 1, num_sc_per_device=4, enable_minibatching=flag
+      ),
+    )
+    for flag in (False, True)
+  }
+  assert sizes[False] == (32, 4 * 4 * 16)
+  assert sizes[True] == (64 * 32, 64 * 4 * 4 * 16)
+
+
+def test_prepare_takes_tables_of_one_name_as_the_last():
+  # Two table objects named "a" that differ only in their initializer: upstream
+  # prepares both; the layout is the last one's.
+  features = _features()[:1]
+  other = dataclasses.replace(
+    features[0].table_spec, initializer=jax.nn.initializers.zeros
+  )
+  features.append(
+    embedding_spec.FeatureSpec(
+      name="fa2", table_spec=other, input_shape=[16, 1], output_shape=[16, 8]
+    )
+  )
+  embedding.prepare_feature_specs_for_training(features, 1, 4)
+  stacks = [f.table_spec.stacked_table_spec for f in features]
+  assert stacks[0] == stacks[1]
+  assert stacks[0].total_sample_count == 32
+  assert [f.id_transformation.row_offset for f in features] == [0, 16]
+  # The frozen API refuses two different tables of one name.
+  with pytest.raises(ValueError, match="two different TableSpecs"):
+    pzsc.prepare_feature_specs_for_training(
+      embedding_spec.to_pz(_features()[:1] + features[1:]), 1, 4
+    )
+
+
+def test_hand_stacked_table_without_id_transformation_reads_from_zero():
+  features = _features()[:1]
+  table_stacking.stack_tables(features, ["a"], 1, 4)
+  features[0].id_transformation = None
+  ids = [np.random.default_rng(1).integers(0, 40, (16, 2))]
+  got, _ = embedding.preprocess_sparse_dense_matmul_input(
+    ids, None, features, 1, 1, num_sc_per_device=4
+  )
+  embedding.prepare_feature_specs_for_training(features, 1, 4)
+  assert features[
+    0
+  ].id_transformation == embedding_spec.FeatureIdTransformation(0, 0, 0)
+  want, _ = embedding.preprocess_sparse_dense_matmul_input(
+    ids, None, features, 1, 1, num_sc_per_device=4
+  )
+  for field in ("lhs_row_pointers", "lhs_embedding_ids", "lhs_sample_ids"):
+    np.testing.assert_array_equal(
+      getattr(got, field)["a"], getattr(want, field)["a"]
+    )
+
+
 def test_stats_from_any_subset_of_fields():
   stats = embedding.SparseDenseMatmulInputStats(
     max_ids_per_partition={"s": np.array([1])}

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pz_sparsecore import layout
+from pz_sparsecore import plan as plan_lib
 from pz_sparsecore.specs import (
   AdagradOptimizerSpec,
   FeatureIdTransformation,
@@ -235,9 +236,36 @@ def test_prepare_is_idempotent_and_keeps_stacks():
   assert layout.prepare_feature_specs_for_training(once, 2, 2) == once
 
 
-def test_prepare_rejects_other_topology():
+def test_prepare_keeps_stacks_of_another_topology_the_plan_refuses_them():
+  # Upstream's prepare leaves stacked tables alone whatever the topology;
+  # the plan that sizes tables (the layer's) refuses them, preprocessing's
+  # takes them.
+  stacked = _example_stacked()  # for 2 devices x 2 SparseCores
+  kept = layout.prepare_feature_specs_for_training(stacked, 4, 4)
+  assert kept == stacked
   with pytest.raises(ValueError, match="topology"):
-    layout.prepare_feature_specs_for_training(_example_stacked(), 4, 2)
+    plan_lib.build(kept, 4, 4)
+  assert plan_lib.build(kept, 4, 4, for_tables=False).num_shards == 16
+
+
+def test_prepare_fills_missing_id_transformation_of_hand_stacked_table():
+  stacked = _example_stacked()
+  bare = [f.replace(id_transformation=None) for f in stacked]
+  with pytest.raises(ValueError, match="feature 'fa' is not prepared"):
+    plan_lib.build(
+      [bare[0].replace(table_spec=_example_features()[0].table_spec)], 2, 2
+    )
+  filled = layout.prepare_feature_specs_for_training(bare, 2, 2)
+  assert [f.id_transformation for f in filled] == [
+    FeatureIdTransformation(0, 0, 0)
+  ] * 3
+  # Without prepare, the plan reads them as (0, 0, 0) too.
+  plan = plan_lib.build(bare, 2, 2, for_tables=False)
+  assert {
+    (f.sample_offset, f.row_offset_in_shard, f.shard_rotation)
+    for s in plan.stacks
+    for f in s.features
+  } == {(0, 0, 0)}
 
 
 def test_get_stacked_table_specs_requires_preparation():

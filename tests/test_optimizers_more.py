@@ -555,3 +555,34 @@ def test_trainer_matches_numpy(g, s, exchange):
     touched = ref.step(ids, weights, grads, step)
     tt.check_against(trainer.model.embed, ref, touched, before)
     before = tt.snapshot(trainer.model.embed)
+
+
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+def test_adagrad_from_a_zero_accumulator_leaves_zero_gradients_alone(impl):
+  # Upstream's Adagrad takes initial_accumulator_value=0; a component whose
+  # gradient has been 0 keeps its value (upstream writes 0 / 0 = NaN).
+  spec = pzsc.AdagradOptimizerSpec(
+    learning_rate=0.1, initial_accumulator_value=0.0
+  )
+  buf = make_buffers(
+    11, num_segments=2, num_partitions=4, empty_partitions=(2,)
+  )
+  table = _table(buf, DIM, seed=1)
+  accumulator = np.zeros_like(table)
+  act = np.random.default_rng(5).normal(size=(32, DIM)).astype(np.float32)
+  act[:, ::3] = 0.0  # every third component gets no gradient
+  hp = jnp.stack(spec.get_hyperparameters(0))
+  new_table, (new_acc,) = _grad_call(
+    buf, act, table, (accumulator,), "adagrad", hp, impl, **buf.layout()
+  )
+  want_w, want_a = table.astype(np.float64), accumulator.astype(np.float64)
+  for row, g in row_grads(buf, act, table.shape[0]).items():
+    want_a[row] = g * g
+    nonzero = want_a[row] > 0
+    want_w[row, nonzero] -= 0.1 * g[nonzero] / np.sqrt(want_a[row, nonzero])
+  assert np.isfinite(np.asarray(new_table)).all()
+  np.testing.assert_allclose(np.asarray(new_acc), want_a, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(
+    np.asarray(new_table), want_w, rtol=1e-5, atol=1e-6
+  )
+  np.testing.assert_array_equal(np.asarray(new_table)[:, ::3], table[:, ::3])

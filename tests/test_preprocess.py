@@ -818,7 +818,6 @@ def call(features, weights=None, specs=None, local=2, global_=2, **kwargs):
     ({"f": EXAMPLE_IDS}, {"g": EXAMPLE_WEIGHTS}, "features_weights must"),
     ({"f": EXAMPLE_IDS[:3]}, None, "3 rows does not divide"),
     ({"f": EXAMPLE_IDS[:0]}, None, "empty batch"),
-    ({"f": np.zeros((8, 1), np.int32)}, None, "output_shape"),
     ({"f": EXAMPLE_IDS[:, 0]}, None, "must be 2-D"),
     ({"f": (np.arange(3), np.array([0, 2, 1, 3, 3]))}, None, "row_splits"),
     ({"f": (np.arange(3), np.array([0, 1, 2, 3]))}, None, "3 rows does not"),
@@ -828,6 +827,54 @@ def call(features, weights=None, specs=None, local=2, global_=2, **kwargs):
 def test_bad_inputs_raise(features, weights, match):
   with pytest.raises(ValueError, match=match):
     call(features, weights)
+
+
+def test_samples_come_from_the_input_rows_not_output_shape():
+  # Upstream's preprocessing takes each feature's samples from its input
+  # rows and its offsets from the id transformation; `output_shape` is not
+  # read. Specs claiming 4 samples per feature give the buffers of the specs
+  # of the 8 they are fed; the layer's plan (sizing activations) refuses.
+  table = make_table("t", 16, max_ids=16, max_unique=16)
+  right = layout.prepare_feature_specs_for_training(
+    {"a": make_feature("a", table, 8), "b": make_feature("b", table, 8)}, 2, 2
+  )
+  wrong = {
+    name: spec.replace(output_shape=(4, spec.output_shape[-1]))
+    for name, spec in right.items()
+  }
+  rng = np.random.default_rng(7)
+  features = {name: rng.integers(0, 16, (4, 3)) for name in right}
+  expected = pp.preprocess_sparse_dense_matmul_input(
+    features, None, right, 1, 2, num_sc_per_device=2
+  )
+  got = pp.preprocess_sparse_dense_matmul_input(
+    features, None, wrong, 1, 2, num_sc_per_device=2
+  )
+  assert_same(got, expected)
+  with pytest.raises(ValueError, match="total_sample_count 16 is not the"):
+    plan_lib.build(wrong, 2, 2)
+  table_plan = plan_lib.build(right, 2, 2)
+  halves = {name: ids[:2] for name, ids in features.items()}
+  with pytest.raises(ValueError, match="feature 'a'.*output_shape"):
+    pp.preprocess_for_plan(table_plan, halves, None, 1)
+  assert_same(pp.preprocess_for_plan(table_plan, features, None, 1), expected)
+
+
+def test_sample_offsets_of_another_batch_wrap_as_upstream():
+  # Offsets prepared for 4 samples, fed 2 rows per feature: upstream's
+  # sample id is (row_offset / N + row) modulo the SparseCore's samples.
+  table = make_table("t", 16, max_ids=16, max_unique=16)
+  specs = layout.prepare_feature_specs_for_training(
+    {"a": make_feature("a", table, 4), "b": make_feature("b", table, 4)}, 1, 1
+  )
+  features = {"a": np.array([[1], [2]]), "b": np.array([[3], [4]])}
+  buffers, _ = pp.preprocess_sparse_dense_matmul_input(
+    features, None, specs, 1, 1, num_sc_per_device=1
+  )
+  n = int(buffers.lhs_row_pointers["t"][0])
+  # b starts at sample 4 % 4 = 0 of the 4 samples (2 + 2 rows).
+  assert list(buffers.lhs_embedding_ids["t"][:n]) == [1, 2, 3, 4]
+  assert list(buffers.lhs_sample_ids["t"][:n]) == [0, 1, 0, 1]
 
 
 def test_bad_configuration_raises():

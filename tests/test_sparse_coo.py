@@ -305,7 +305,6 @@ def expected_good():
     (GOOD[0], GOOD[1], [4, -3], "dense_shape must be two"),
     (GOOD[0], GOOD[1], [4.0, 3.0], "dense_shape must be two"),
     (GOOD[0][:2], GOOD[1][:2], [3, 3], "3 rows does not divide"),
-    (GOOD[0], GOOD[1], [8, 3], "output_shape"),
   ],
 )
 def test_bad_coo_raises_then_good_call_works(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar, Union
 
 import jax
 import numpy as np
@@ -21,6 +21,7 @@ from pz_sparsecore.compat.utils import utils
 from pz_sparsecore.preprocess import PreprocessedInput
 
 __all__ = [
+  "ArrayLike",
   "EmbeddingVariables",
   "EmbeddingVariablesInitializer",
   "PreprocessedInput",
@@ -35,12 +36,19 @@ __all__ = [
   "get_stacked_table_specs",
   "get_table_specs",
   "init_embedding_variables",
+  "Nested",
   "prepare_feature_specs_for_training",
   "preprocess_sparse_dense_matmul_input",
   "preprocess_sparse_dense_matmul_input_from_sparse_tensor",
   "sharding_strategy_to_enum",
   "update_preprocessing_parameters",
 ]
+
+
+ArrayLike = jax.Array | np.ndarray
+_T = TypeVar("_T")
+# A value, or a (nested) sequence or mapping of values, as upstream's alias.
+Nested = Union[_T, "list[Nested[_T]]", "Mapping[str, Nested[_T]]"]
 
 
 class EmbeddingVariablesInitializer(NamedTuple):
@@ -115,9 +123,13 @@ def prepare_feature_specs_for_training(
   global_device_count: int,
   num_sc_per_device: int | None = None,
 ) -> None:
-  """Stacks every unstacked table on its own, in place."""
+  """Stacks every unstacked table on its own, in place.
+
+  Different table objects of one name are prepared as the last of them (one
+  frozen table per name), where upstream prepares each from its own fields.
+  """
   frozen = layout.prepare_feature_specs_for_training(
-    embedding_spec.to_pz(feature_specs),
+    embedding_spec.to_pz(feature_specs, last_table_per_name=True),
     global_device_count,
     _num_sc(num_sc_per_device),
   )
@@ -142,9 +154,10 @@ def compute_row_pointers_size_per_device(
   num_sc_per_device: int | None = None,
   enable_minibatching: bool = False,
 ) -> int:
-  """Row pointers per device: `max(N, 8)` per SparseCore."""
-  del enable_minibatching
-  return buffer_format.compute_row_pointers_size_per_device(
+  """Row pointers per device: `max(N, 8)` per SparseCore (per minibatch)."""
+  return _minibatches(
+    enable_minibatching
+  ) * buffer_format.compute_row_pointers_size_per_device(
     global_device_count, _num_sc(num_sc_per_device)
   )
 
@@ -156,10 +169,16 @@ def compute_theoretical_max_coo_buffer_size(
   enable_minibatching: bool = False,
 ) -> int:
   """The largest COO buffer per device the limit can need."""
-  del enable_minibatching
-  return buffer_format.compute_theoretical_max_coo_buffer_size(
+  return _minibatches(
+    enable_minibatching
+  ) * buffer_format.compute_theoretical_max_coo_buffer_size(
     max_ids_per_partition, global_device_count, _num_sc(num_sc_per_device)
   )
+
+
+def _minibatches(enable_minibatching: bool) -> int:
+  """How many minibatches upstream sizes buffers for."""
+  return buffer_format.MAX_MINIBATCHES if enable_minibatching else 1
 
 
 def compute_coo_buffer_size_per_device(

@@ -432,13 +432,20 @@ def table_to_pz(table: TableSpec | pz.TableSpec) -> pz.TableSpec:
   )
 
 
-def to_pz(feature_specs: Any) -> Any:
+def to_pz(feature_specs: Any, *, last_table_per_name: bool = False) -> Any:
   """The same tree with frozen pz_sparsecore specs in place of compat ones.
 
   Tables shared by several features stay shared (one frozen spec per
-  compat table object). Frozen leaves pass through unchanged.
+  compat table object). Frozen leaves pass through unchanged. With
+  `last_table_per_name`, different table objects of one name all become the
+  last one (upstream's preparation keys tables by name).
   """
-  tables: dict[int, pz.TableSpec] = {}
+  tables: dict[Any, pz.TableSpec] = {}
+  last: dict[str, Any] = {}
+  if last_table_per_name:
+    for feature in jax.tree.leaves(feature_specs, is_leaf=_is_feature):
+      if isinstance(feature, FeatureSpec):
+        last[feature.table_spec.name] = feature.table_spec
 
   def convert(feature: Any) -> Any:
     if isinstance(feature, pz.FeatureSpec):
@@ -447,9 +454,10 @@ def to_pz(feature_specs: Any) -> Any:
       raise ValueError(
         f"expected FeatureSpec leaves, got {type(feature).__name__}"
       )
-    key = id(feature.table_spec)
+    table = last.get(feature.table_spec.name, feature.table_spec)
+    key = id(table)
     if key not in tables:
-      tables[key] = table_to_pz(feature.table_spec)
+      tables[key] = table_to_pz(table)
     return pz.FeatureSpec(
       name=feature.name,
       table_spec=tables[key],
