@@ -308,3 +308,49 @@ def test_from_config_rejects_bad_arguments(mesh):
     SparseCoreEmbed.from_config(
       "e", jax.random.key(0), _specs(), mesh, num_sc_per_device=8
     )
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_one_dimensional_table_with_one_id_per_sample(devices):
+  # embedding_dim=1 and [batch, 1] inputs (upstream's newer releases): the
+  # lookup and an Adagrad step against numpy, duplicates and shard edges
+  # included.
+  batch, vocab = 32, 37
+  table = specs.TableSpec(
+    name="t",
+    vocabulary_size=vocab,
+    embedding_dim=1,
+    initializer=jax.nn.initializers.normal(1.0),
+    optimizer=specs.AdagradOptimizerSpec(learning_rate=0.5),
+    combiner="sum",
+  )
+  feature = specs.FeatureSpec(
+    name="f", table_spec=table, input_shape=(batch, 1), output_shape=(batch, 1)
+  )
+  one_mesh = Mesh(np.array(jax.devices()[:devices]), ("device",))
+  embed = SparseCoreEmbed.from_config(
+    "e", jax.random.key(0), {"f": feature}, one_mesh
+  )
+  ids = np.random.default_rng(0).integers(0, vocab, (batch, 1))
+  ids[:4, 0] = [0, vocab - 1, vocab - 1, 8]  # edges, a duplicate
+  inputs, _ = embed.preprocess({"f": ids})
+  before = pzsc.logical_tables(embed)["t"]
+  assert before.shape == (vocab, 1)
+  act = embed(inputs)["f"]
+  assert dict(act.named_shape) == {"batch": batch, "embedding": 1}
+  np.testing.assert_array_equal(
+    np.asarray(act.unwrap("batch", "embedding"))[:, 0], before[ids[:, 0], 0]
+  )
+  grads = np.random.default_rng(1).normal(size=(batch,)).astype(np.float32)
+  embed.apply_gradients(
+    inputs, {"f": pz.nx.wrap(grads[:, None], "batch", "embedding")}, 0
+  )
+  row_grad = np.zeros(vocab)
+  np.add.at(row_grad, ids[:, 0], grads.astype(np.float64))
+  accumulator = 0.1 + row_grad**2
+  want = before[:, 0] - 0.5 * row_grad / np.sqrt(accumulator)
+  touched = np.unique(ids)
+  after = pzsc.logical_tables(embed)["t"][:, 0]
+  np.testing.assert_allclose(after[touched], want[touched], rtol=1e-5)
+  untouched = np.setdiff1d(np.arange(vocab), touched)
+  np.testing.assert_array_equal(after[untouched], before[untouched, 0])
