@@ -49,6 +49,7 @@ from pz_sparsecore.specs import (
   StackedTableSpec,
   TableSettingInStack,
   TableSpec,
+  not_a_feature_spec,
 )
 
 DEFAULT_ACTIVATION_MEM_BYTES_LIMIT = 2 * 1024 * 1024
@@ -68,9 +69,7 @@ def _feature_leaves(feature_specs: Any) -> list[FeatureSpec]:
   leaves = jax.tree.leaves(feature_specs)
   for leaf in leaves:
     if not isinstance(leaf, FeatureSpec):
-      raise ValueError(
-        f"expected FeatureSpec leaves, got {type(leaf).__name__}"
-      )
+      raise not_a_feature_spec(leaf)
   return leaves
 
 
@@ -210,7 +209,8 @@ def stack_tables(
 
   Raises:
     ValueError: On unknown, repeated or already stacked tables, a used stack
-      name, or members with different optimizers or combiners.
+      name, or members with different optimizers, combiners or quantization
+      configs.
   """
   n = num_shards(global_device_count, num_sc_per_device)
   table_names = list(table_names)
@@ -284,6 +284,11 @@ def _check_stackable(
     if tables[name].combiner != first.combiner:
       raise ValueError(
         f"tables {table_names} in stack {stack_name!r} have different combiners"
+      )
+    if tables[name].quantization_config != first.quantization_config:
+      raise ValueError(
+        f"tables {table_names} in stack {stack_name!r} have different "
+        "quantization configs"
       )
 
 
@@ -387,6 +392,7 @@ def _stacked_spec(
     optimizer=first.optimizer,
     combiner=first.combiner,
     total_sample_count=sample_count,
+    quantization_config=first.quantization_config,
     **limits,
   )
 
@@ -404,10 +410,11 @@ def auto_stack_tables(
 ) -> Any:
   """Stacks every group of compatible tables.
 
-  Tables (in first-appearance order) are grouped by padded width, optimizer
-  and combiner; each group is split greedily so that a stack's activation
-  memory per SparseCore (`padded_dim * samples / N * 4` bytes per table)
-  stays within `activation_mem_bytes_limit`. Each group becomes one stack.
+  Tables (in first-appearance order) are grouped by padded width, optimizer,
+  combiner and quantization config; each group is split greedily so that a
+  stack's activation memory per SparseCore (`padded_dim * samples / N * 4`
+  bytes per table) stays within `activation_mem_bytes_limit`. Each group
+  becomes one stack.
 
   Returns:
     New feature specs (still to be passed to
@@ -427,6 +434,7 @@ def auto_stack_tables(
       round_up(table.embedding_dim),
       table.optimizer,
       table.combiner,
+      table.quantization_config,
     )
     groups.setdefault(key, []).append(name)
 

@@ -252,7 +252,10 @@ def _local_lookup(stack: StackPlan, topo: Topology, table, inputs):
     )
   else:
     acts = kernels.sparse_dense_matmul(
-      *_buffers(stack, topo, inputs), table, **_kernel_shape(stack, topo)
+      *_buffers(stack, topo, inputs),
+      table,
+      quantization=stack.quantization,
+      **_kernel_shape(stack, topo),
     )
   if mode == exchange_lib.ACTIVATIONS:
     partial = acts.reshape(g, s * b, stack.dim)

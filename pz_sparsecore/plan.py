@@ -33,6 +33,7 @@ from pz_sparsecore.specs import (
   OptimizerSpec,
   StackedTableSpec,
   TableSpec,
+  not_a_feature_spec,
 )
 
 _INT32_MAX = 2**31 - 1
@@ -115,6 +116,12 @@ class StackPlan:
   @property
   def optimizer(self) -> OptimizerSpec:
     return self.spec.optimizer
+
+  @property
+  def quantization(self) -> tuple[float, float, int] | None:
+    """`(min_value, max_value, num_buckets)` lookups read through, or None."""
+    config = self.spec.quantization_config
+    return None if config is None else config.as_tuple()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,9 +217,7 @@ def _flatten_specs(feature_specs: Any) -> tuple[list[FeatureSpec], Any]:
     raise ValueError("feature_specs holds no FeatureSpec")
   for leaf in leaves:
     if not isinstance(leaf, FeatureSpec):
-      raise ValueError(
-        f"feature_specs must hold FeatureSpec leaves, got {type(leaf).__name__}"
-      )
+      raise not_a_feature_spec(leaf)
     if leaf.table_spec.stacked_table_spec is None:
       raise ValueError(
         f"feature {leaf.name!r} is not prepared (its table "

@@ -161,8 +161,13 @@ def lookup(
   routing = route(stack, g, s, rp, ids, sids)
   wu = stack.unique_window
   received = owner_buffers(*exchange(routing, axis), wu)
+  # The owners read their rows (quantized, for a quantized stack); the
+  # sources then combine the rows they get back.
   rows = kernels.sparse_dense_matmul(
-    *received, table, **owner_shape(stack, g, s)
+    *received,
+    table,
+    quantization=stack.quantization,
+    **owner_shape(stack, g, s),
   ).reshape(g, s, wu, stack.dim)
   returned = jax.lax.all_to_all(rows, axis, 0, 0, tiled=True)
   return kernels.sparse_dense_matmul(

@@ -92,6 +92,21 @@ def _check_limits(owner: str, spec: Any) -> None:
     )
 
 
+def not_a_feature_spec(leaf: Any) -> ValueError:
+  """The error for a spec tree leaf that is not a `FeatureSpec`."""
+  kind = type(leaf)
+  hint = ""
+  if kind.__module__.startswith("pz_sparsecore.compat"):
+    hint = (
+      " (a compat spec: pass pz_sparsecore.compat.lib.nn.embedding_spec."
+      "to_pz(feature_specs))"
+    )
+  return ValueError(
+    "expected pz_sparsecore.FeatureSpec leaves, got "
+    f"{kind.__module__}.{kind.__qualname__}{hint}"
+  )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QuantizationConfig:
   """Lookups see table values quantized to `num_buckets` levels.

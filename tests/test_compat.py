@@ -340,3 +340,23 @@ def test_module_constants_and_sparsecore_count():
   assert utils.num_sparsecores_per_device(jax.devices()[0]) == 4
   with pytest.raises(ValueError, match="device kind"):
     utils.num_sparsecores_per_device(object())
+
+
+def test_frozen_api_names_compat_specs_and_the_conversion():
+  features = _features()
+  embedding.prepare_feature_specs_for_training(features, 1, 4)
+  with pytest.raises(
+    ValueError, match=r"compat\.lib\.nn\.embedding_spec\.FeatureSpec.*to_pz"
+  ):
+    pzsc.prepare_feature_specs_for_training(features, 1, 4)
+  frozen = embedding_spec.to_pz(features)
+  assert pzsc.prepare_feature_specs_for_training(frozen, 1, 4) == frozen
+
+
+def test_embedding_table_format_is_the_tables_sharding():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+  spec = jax.sharding.PartitionSpec("x", None)
+  got = utils.embedding_table_format(mesh, spec)
+  assert got == jax.sharding.NamedSharding(mesh, spec)
+  table = jax.jit(lambda: jnp.zeros((64, 8)), out_shardings=got)()
+  assert table.sharding == got

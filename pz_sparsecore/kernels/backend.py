@@ -10,6 +10,7 @@ Example (a CPU-only build)::
     forward                 ffi        reference
     grad sgd                ffi        reference
     ...
+    forward quantized       reference  reference
     grad custom             reference  reference
 """
 
@@ -37,9 +38,11 @@ class BackendInfo:
     implementations: Target label (``"forward"``, ``"grad adagrad"``, ...)
       → platform → what ``implementation=None`` runs there: ``"ffi"``,
       ``"reference"`` or ``"error"`` (ABI mismatch: calls raise). The last
-      label, ``"grad custom"``, is every custom optimizer's update
-      (``CustomOptimizerSpec``): always ``"reference"`` (its JAX function in
-      the pure-JAX backward; there is no compiled handler to run).
+      labels are always ``"reference"`` (there is no compiled handler to
+      run): ``"forward quantized"``, the lookups of tables with a
+      ``QuantizationConfig`` (the pure-JAX forward), and ``"grad custom"``,
+      every custom optimizer's update (``CustomOptimizerSpec``: its JAX
+      function in the pure-JAX backward).
   """
 
   extension_path: str | None
@@ -75,8 +78,8 @@ class BackendInfo:
     return "\n".join(line.rstrip() for line in lines)
 
 
-_CUSTOM_LABEL = "grad custom"
-"""The label of custom optimizers' updates in ``implementations``."""
+_REFERENCE_ONLY = ("forward quantized", "grad custom")
+"""The labels of kernels without a compiled handler in ``implementations``."""
 
 
 def _targets() -> dict[str, str]:
@@ -109,5 +112,8 @@ def backend_info() -> BackendInfo:
       }
       for label, target in _targets().items()
     }
-    | {_CUSTOM_LABEL: {p: "reference" for p in dispatch.PLATFORMS}},
+    | {
+      label: {p: "reference" for p in dispatch.PLATFORMS}
+      for label in _REFERENCE_ONLY
+    },
   )

@@ -89,6 +89,7 @@ def sparse_dense_matmul(
   num_partitions: int,
   rows_per_partition: int,
   partition_begin: int = 0,
+  quantization: tuple[float, float, int] | None = None,
   implementation: str | None = None,
 ) -> jax.Array:
   """Looks up and combines embedding rows: one device's forward.
@@ -114,6 +115,11 @@ def sparse_dense_matmul(
     num_partitions: Partitions per segment in the row pointers.
     rows_per_partition: Rows of one partition's table shard.
     partition_begin: First partition held by ``table``.
+    quantization: None, or ``(min_value, max_value, num_buckets)`` of a
+      quantized table: every row is read through
+      :func:`pz_sparsecore.kernels.reference.quantize`. Quantized lookups
+      have no compiled handler: the pure-JAX forward runs (O(entries), as
+      ``backend_info()`` shows under "forward quantized").
     implementation: ``None`` (FFI where compiled, else reference),
       ``"ffi"`` or ``"reference"``.
 
@@ -144,11 +150,11 @@ def sparse_dense_matmul(
     partition_begin=partition_begin,
   )
   fn = dispatch.choose(
-    ffi.FORWARD_TARGET,
+    ffi.FORWARD_TARGET if quantization is None else None,
     implementation,
     lambda *a: ffi.sparse_dense_matmul(*a, shape),
     lambda *a: reference.sparse_dense_matmul(
-      *a[:4], a[4].reshape(-1, shape.dim), shape
+      *a[:4], a[4].reshape(-1, shape.dim), shape, quantization
     ),
   )
   return fn(row_pointers, embedding_ids, sample_ids, gains, table)

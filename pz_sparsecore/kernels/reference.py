@@ -80,6 +80,23 @@ def decode_entries(
   return valid.reshape(-1), table_row.reshape(-1), out_row.reshape(-1)
 
 
+def quantize(
+  values: jax.Array, quantization: tuple[float, float, int]
+) -> jax.Array:
+  """Table values as a quantized lookup reads them.
+
+  `(min_value, max_value, num_buckets)`: a value is clipped to
+  `[min_value, max_value]` and rounded (half to even) to the nearest of the
+  `num_buckets` evenly spaced levels `min_value + k * step`, `step =
+  (max_value - min_value) / (num_buckets - 1)`, all in float32.
+  """
+  lo, hi, buckets = quantization
+  lo, hi = jnp.float32(lo), jnp.float32(hi)
+  step = (hi - lo) / jnp.float32(buckets - 1)
+  level = jnp.round((jnp.clip(values, lo, hi) - lo) / step)
+  return lo + level * step
+
+
 def sparse_dense_matmul(
   row_pointers: jax.Array,
   embedding_ids: jax.Array,
@@ -87,6 +104,7 @@ def sparse_dense_matmul(
   gains: jax.Array,
   table: jax.Array,
   shape: contract.BufferShape,
+  quantization: tuple[float, float, int] | None = None,
 ) -> jax.Array:
   """Reference forward: ``out[k * B + sid] += gain * table[row]``.
 
@@ -97,6 +115,8 @@ def sparse_dense_matmul(
     gains: float32 gains.
     table: float32 ``[num_rows, dim]`` table holding the call's partitions.
     shape: The validated buffer shape.
+    quantization: None, or `(min_value, max_value, num_buckets)`: the rows
+      are read through :func:`quantize`.
 
   Returns:
     float32 ``[num_segments * samples_per_segment, dim]`` activations.
@@ -105,6 +125,8 @@ def sparse_dense_matmul(
     row_pointers, embedding_ids, sample_ids, shape
   )
   rows = jnp.take(table, table_row, axis=0, mode="fill", fill_value=0)
+  if quantization is not None:
+    rows = quantize(rows, quantization)
   contrib = jnp.where(valid[:, None], gains[:, None] * rows, 0.0)
   return jax.ops.segment_sum(
     contrib, out_row, num_segments=shape.num_outputs

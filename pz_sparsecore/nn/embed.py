@@ -146,11 +146,16 @@ def _make_config(
         f"exceeds the embedding_dim {spec.table_spec.embedding_dim} of table "
         f"{spec.table_spec.name!r}"
       )
-    if spec.table_spec.quantization_config is not None:
+    table = spec.table_spec
+    if (
+      table.quantization_config != table.stacked_table_spec.quantization_config
+    ):
       raise ValueError(
-        f"feature {spec.name!r}: table {spec.table_spec.name!r} has a "
-        "quantization_config; lookups of quantized tables are not "
-        "implemented (preprocessing and layout accept it)"
+        f"feature {spec.name!r}: table {table.name!r} has quantization_config"
+        f" {table.quantization_config}, its stack "
+        f"{table.setting_in_stack.stack_name!r} has "
+        f"{table.stacked_table_spec.quantization_config} (tables in a stack "
+        "share one)"
       )
     if spec.sample_count % topology.num_shards:
       raise ValueError(

@@ -1,4 +1,4 @@
-"""jax-tpu-embedding's `utils/utils`: SparseCores per device.
+"""jax-tpu-embedding's `utils/utils`: SparseCores per device, table formats.
 
 On TPUs the count is the chip's. On CPU and GPU devices pz_sparsecore runs
 "virtual" SparseCores: any count works, and this answers 4 (TPU v5p's), so a
@@ -34,3 +34,25 @@ def num_sparsecores_per_device(device: jax.Device | None = None) -> int:
   if getattr(device, "platform", None) == "tpu":
     raise ValueError(f"Unknown sparsecore count for device kind: {kind}")
   return VIRTUAL_SC_PER_DEVICE
+
+
+def embedding_table_format_with_sharding(
+  sharding: jax.sharding.NamedSharding,
+) -> jax.sharding.NamedSharding:
+  """The placement of stacked tables, for `out_shardings` of a train step.
+
+  Upstream adds the TPU SparseCore's tiled memory layout. Here tables keep
+  XLA's default row-major layout, which the kernels read in place (a tiled
+  one would make XLA copy the table before each kernel), so the sharding is
+  the format.
+  """
+  return sharding
+
+
+def embedding_table_format(
+  mesh: jax.sharding.Mesh, partition_spec: jax.sharding.PartitionSpec
+) -> jax.sharding.NamedSharding:
+  """`embedding_table_format_with_sharding` of `NamedSharding(mesh, spec)`."""
+  return embedding_table_format_with_sharding(
+    jax.sharding.NamedSharding(mesh, partition_spec)
+  )
