@@ -222,22 +222,18 @@ def test_output_dim_exceeds_embedding_dim_refused_by_the_layer():
   assert embed is not None
 
 
-def test_quantized_table_refused_by_the_layer():
-  from jax.sharding import Mesh
-
-  from pz_sparsecore import QuantizationConfig, SparseCoreEmbed
+def test_quantization_config_checks_its_fields():
+  from pz_sparsecore import QuantizationConfig
 
   config = QuantizationConfig(min_value=-1.0, max_value=1.0, num_buckets=16)
   table = _table(embedding_dim=8, quantization_config=config)
   assert table.quantization_config.as_tuple() == (-1.0, 1.0, 16)
-  feature = FeatureSpec(
-    name="q", table_spec=table, input_shape=[8], output_shape=[8, 8]
-  )
-  mesh = Mesh(np.array(jax.devices()[:1]), ("device",))
-  with pytest.raises(ValueError, match="feature 'q'.*quantization_config"):
-    SparseCoreEmbed.from_config("e", jax.random.key(0), [feature], mesh)
   with pytest.raises(ValueError, match="num_buckets must be >= 2"):
     QuantizationConfig(min_value=0.0, max_value=1.0, num_buckets=1)
+  with pytest.raises(ValueError, match="min_value must be < max_value"):
+    QuantizationConfig(min_value=1.0, max_value=1.0, num_buckets=4)
+  with pytest.raises(ValueError, match="quantization_config must be"):
+    _table(embedding_dim=8, quantization_config=(0.0, 1.0, 4))
 
 
 def test_feature_sample_count():

@@ -115,11 +115,9 @@ def sparse_dense_matmul(
     num_partitions: Partitions per segment in the row pointers.
     rows_per_partition: Rows of one partition's table shard.
     partition_begin: First partition held by ``table``.
-    quantization: None, or ``(min_value, max_value, num_buckets)`` of a
-      quantized table: every row is read through
-      :func:`pz_sparsecore.kernels.reference.quantize`. Quantized lookups
-      have no compiled handler: the pure-JAX forward runs (O(entries), as
-      ``backend_info()`` shows under "forward quantized").
+    quantization: None, or a quantized table's ``(min_value, max_value,
+      num_buckets)``: rows are read through ``reference.quantize``, by the
+      pure-JAX forward (``backend_info()``: "forward quantized").
     implementation: ``None`` (FFI where compiled, else reference),
       ``"ffi"`` or ``"reference"``.
 
