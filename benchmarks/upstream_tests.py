@@ -12,7 +12,8 @@ prints, per test file, the items collected, passed and failed, then every
 failing item with the last line of its error. `--list-failures` prints only
 those names; `-k EXPR` narrows the run as pytest's `-k` does.
 
-Needs the dev extras (absl-py, chex, portpicker come with them).
+Needs the `upstream-tests` extras (`pip install -e .[dev,upstream-tests]`):
+upstream's tests import absl-py, chex, einops and portpicker.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 The preprocessor accepts, per feature, a batch in any of these forms:
 
-* a dense `[batch, k]` integer array (`k` ids per sample);
+* a dense `[batch, k]` integer array (`k` ids per sample), or a 2-D object
+  array holding one number per element (read as dense, as upstream does);
 * a list or a 1-D object array of 1-D integer arrays, one per sample, possibly
   empty (ragged rows);
 * a `(values, row_splits)` tuple: sample `i` holds
@@ -224,6 +225,19 @@ def _from_tuple(name: str, leaf: tuple[Any, ...], what: str) -> Ragged:
   return Ragged(values, splits)
 
 
+def _dense_objects(name: str, leaf: np.ndarray, what: str) -> np.ndarray:
+  """A 2-D object array of numbers (upstream reads it as dense) as numbers."""
+  for index, item in enumerate(leaf.flat):
+    if np.ndim(item) != 0:
+      raise ValueError(
+        f"feature {name!r}: a 2-D object array of {what} must hold one "
+        f"number per element, got {_describe(item)} at sample "
+        f"{index // max(leaf.shape[1], 1)}"
+      )
+  array = np.array(leaf.tolist()).reshape(leaf.shape)
+  return array if array.size else array.astype(np.int64)
+
+
 def to_ragged(name: str, leaf: Any, what: str) -> Ragged:
   """Converts one feature's ids (or weights) to values and row splits.
 
@@ -243,12 +257,15 @@ def to_ragged(name: str, leaf: Any, what: str) -> Ragged:
   if isinstance(leaf, list):
     return _concat_rows(name, leaf, what)
   if isinstance(leaf, np.ndarray) and leaf.dtype == object:
-    if leaf.ndim != 1:
+    if leaf.ndim == 2:
+      leaf = _dense_objects(name, leaf, what)
+    elif leaf.ndim != 1:
       raise ValueError(
-        f"feature {name!r}: a ragged object array of {what} must be 1-D, got "
-        f"shape {leaf.shape}"
+        f"feature {name!r}: an object array of {what} must be 1-D (ragged "
+        f"rows) or 2-D (one number per element), got shape {leaf.shape}"
       )
-    return _concat_rows(name, leaf, what)
+    else:
+      return _concat_rows(name, leaf, what)
   try:
     array = np.asarray(leaf)
   except (ValueError, TypeError) as e:

@@ -200,6 +200,12 @@ def _objects_with(row, index=5):
   return leaf
 
 
+def _column_with(item, index=5):
+  leaf = np.ones((BATCH, 1), np.int32).astype(object)
+  leaf[index, 0] = item
+  return leaf
+
+
 _NESTED = np.empty(2, object)
 _NESTED[:] = [np.array([1]), np.array([2])]
 
@@ -218,6 +224,13 @@ BAD_LEAVES = [
   (_objects_with("abc"), "feature 'f1'"),
   (_objects_with(_NESTED), "feature 'f1'"),
   (np.empty((BATCH, 2), object), "feature 'f1'"),
+  (
+    _column_with(np.array([1, 2])),
+    "feature 'f1': a 2-D object array of ids must hold one number per "
+    "element, got array .* at sample 5",
+  ),
+  (np.full((BATCH, 1), 2.5, object), "feature 'f1': ids must be integers"),
+  (np.empty((BATCH, 1, 1), object), "feature 'f1': an object array"),
   ((np.arange(4), np.array([0, 3, 2, 4])), "feature 'f1': row_splits"),
   ((np.arange(4), np.array([1, 2, 4])), "feature 'f1': row_splits"),
   ((np.arange(4), np.array([0.0, 4.0])), "feature 'f1': row_splits"),
@@ -248,6 +261,22 @@ def test_python_lists_and_big_endian_rows_are_read():
   assert_same(_call(features), expected)
   features["f2"] = [np.array(r, ">i8") for r in rows]
   assert_same(_call(features), expected)
+
+
+def test_dense_object_arrays_of_numbers_read_as_dense():
+  # Upstream reads a 2-D object array (e.g. [batch, 1] from a data frame)
+  # as dense ids.
+  rng = np.random.default_rng(12)
+  features = {
+    f"f{i}": rng.integers(0, v, (BATCH, 1 + i)) for i, v in enumerate(VOCABS)
+  }
+  weights = {
+    k: rng.random(x.shape).astype(np.float32) for k, x in features.items()
+  }
+  expected = _expected(features, weights)
+  as_objects = {k: x.astype(object) for k, x in features.items()}
+  weight_objects = {k: w.astype(object) for k, w in weights.items()}
+  assert_same(_call(as_objects, weight_objects), expected)
 
 
 def test_ragged_weights_with_the_compiled_reader():
