@@ -54,7 +54,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pz_sparsecore import buffer_format, kernels, row_exchange
@@ -73,7 +73,8 @@ class Topology:
   """A mesh, the mesh axes tables are sharded over, SparseCores per device.
 
   Attributes:
-    mesh: The device mesh (Auto axes).
+    mesh: The device mesh (Auto axes); inside a caller's `shard_map`, its
+      abstract mesh (`shard_map_topology`), for the per-device functions.
     axis: The mesh axis, or axes, the tables' shard axis and the batches
       are sharded over: a name, or a tuple of names (put in the mesh's
       order; one name is kept as a plain string, as `PartitionSpec` and
@@ -85,14 +86,15 @@ class Topology:
       `"activations"` or `"rows"`.
   """
 
-  mesh: Mesh
+  mesh: Mesh | AbstractMesh
   axis: str | tuple[str, ...]
   num_sc_per_device: int
   exchange: str = exchange_lib.AUTO
 
   def __post_init__(self):
     exchange_lib.check_mode(self.exchange)
-    check_mesh(self.mesh)
+    if isinstance(self.mesh, Mesh):
+      check_mesh(self.mesh)
     axes = mesh_axes(self.mesh, self.axis, "the tables' shard axis")
     if not axes:
       raise ValueError(
@@ -375,6 +377,60 @@ def _put_rows(table: jax.Array, rows: jax.Array, values: jax.Array):
 # Global entry points.
 
 
+def shard_map_topology(num_sc_per_device: int) -> Topology:
+  """The topology of the `shard_map` the caller runs in.
+
+  Its manual mesh axes are the tables' shard axis (upstream's per-device
+  functions run inside the user's `shard_map`).
+
+  Raises:
+    ValueError: Outside `shard_map`.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = tuple(getattr(mesh, "manual_axes", ()))
+  if not manual:
+    raise ValueError(
+      "this function runs per device: call it inside jax.shard_map over the "
+      "mesh axis the tables and batches are sharded over"
+    )
+  return Topology(mesh, manual, num_sc_per_device)
+
+
+def local_lookup(
+  plan: Plan, topo: Topology, tables: dict[str, jax.Array], inputs
+) -> dict[str, jax.Array]:
+  """Per device, inside `shard_map`: feature name -> local activations.
+
+  `tables` hold the device's shards (`[S, V_shard, D]` or `[S * V_shard,
+  D]`), `inputs` its buffers; activations are `[S * n_f, dim_f]`.
+  """
+  out = {}
+  for stack in plan.stacks:
+    out.update(_local_lookup(stack, topo, tables[stack.name], inputs))
+  return out
+
+
+def local_update(
+  plan: Plan, topo: Topology, tables, slots, inputs, grads, hyper, guard=False
+) -> dict[str, tuple[Any, ...]]:
+  """Per device, inside `shard_map`: stack name -> the fused update's
+  `(table, slots)`, and with `guard` what undoing it needs (`apply_gradients`
+  describes the arguments; `hyper` from `hyperparameters`)."""
+  return {
+    stack.name: _local_update(
+      stack,
+      topo,
+      tables[stack.name],
+      slots[stack.name],
+      inputs,
+      grads,
+      hyper[stack.name],
+      guard,
+    )
+    for stack in plan.stacks
+  }
+
+
 def _input_specs(topo: Topology, inputs: PreprocessedInput):
   return jax.tree.map(lambda _: P(topo.axis), inputs)
 
@@ -386,10 +442,7 @@ def _lookup_impl(static, tables, inputs):
   plan, topo = static
 
   def body(tables, inputs):
-    out = {}
-    for stack in plan.stacks:
-      out.update(_local_lookup(stack, topo, tables[stack.name], inputs))
-    return out
+    return local_lookup(plan, topo, tables, inputs)
 
   return jax.shard_map(
     body,
@@ -490,7 +543,7 @@ def apply_gradients(
     slots,
     inputs,
     activation_grads,
-    _hyperparameters(plan, step),
+    hyperparameters(plan, step),
   )
   if not guard:
     return new_tables, new_slots
@@ -508,19 +561,9 @@ def _apply_impl(static, guard, tables, slots, inputs, activation_grads, hyper):
   plan, topology = static
 
   def body(tables, slots, inputs, grads, hyper):
-    outs = {
-      stack.name: _local_update(
-        stack,
-        topology,
-        tables[stack.name],
-        slots[stack.name],
-        inputs,
-        grads,
-        hyper[stack.name],
-        guard,
-      )
-      for stack in plan.stacks
-    }
+    outs = local_update(
+      plan, topology, tables, slots, inputs, grads, hyper, guard
+    )
     count = 3 if guard else 2
     return tuple({k: v[i] for k, v in outs.items()} for i in range(count))
 
@@ -624,7 +667,8 @@ def _undo_impl(static, tables, slots, guard, keep):
   )(tables, slots, guard, keep)
 
 
-def _hyperparameters(plan: Plan, step: jax.Array | int):
+def hyperparameters(plan: Plan, step: jax.Array | int):
+  """Stack name -> its optimizer's hyper-parameters at `step`."""
   return {
     stack.name: jnp.stack(
       [

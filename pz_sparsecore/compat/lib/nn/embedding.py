@@ -14,7 +14,8 @@ from typing import Any, NamedTuple, TypeVar, Union
 import jax
 import numpy as np
 
-from pz_sparsecore import buffer_format, fdo, layout
+from pz_sparsecore import buffer_format, fdo, layout, parallel
+from pz_sparsecore import plan as plan_lib
 from pz_sparsecore import preprocess as pz_preprocess
 from pz_sparsecore.compat.lib.nn import embedding_spec, table_stacking
 from pz_sparsecore.compat.utils import utils
@@ -41,6 +42,8 @@ __all__ = [
   "preprocess_sparse_dense_matmul_input",
   "preprocess_sparse_dense_matmul_input_from_sparse_tensor",
   "sharding_strategy_to_enum",
+  "tpu_sparse_dense_matmul",
+  "tpu_sparse_dense_matmul_grad",
   "update_preprocessing_parameters",
 ]
 
@@ -406,3 +409,157 @@ def init_embedding_variables(
         out_shardings=global_sharding,
       )(stack_keys)
   return result
+
+
+# ---------------------------------------------------------------------------
+# The device side: per device, inside the caller's shard_map.
+
+
+def _device_call(
+  preprocessed_inputs: Any,
+  feature_specs: Any,
+  global_device_count: int | None,
+  num_sc_per_device: int | None,
+  sharding_strategy: Any,
+  enable_minibatching: bool,
+) -> tuple[Any, Any, PreprocessedInput]:
+  """The plan, the `shard_map`'s topology and the buffers of a device call."""
+  _refuse_minibatching(enable_minibatching)
+  sharding_strategy_to_enum(_strategy_name(sharding_strategy))
+  _check_feature_names(feature_specs)
+  topo = parallel.shard_map_topology(_num_sc(num_sc_per_device))
+  if global_device_count is not None and (
+    global_device_count != topo.num_devices
+  ):
+    raise ValueError(
+      f"global_device_count={global_device_count}, but the shard_map's axes "
+      f"{topo.axes} hold {topo.num_devices} devices"
+    )
+  plan = plan_lib.build(
+    embedding_spec.to_pz(feature_specs),
+    topo.num_devices,
+    topo.num_sc_per_device,
+  )
+  inputs = PreprocessedInput(
+    lhs_row_pointers=dict(preprocessed_inputs.lhs_row_pointers),
+    lhs_embedding_ids=dict(preprocessed_inputs.lhs_embedding_ids),
+    lhs_sample_ids=dict(preprocessed_inputs.lhs_sample_ids),
+    lhs_gains=dict(preprocessed_inputs.lhs_gains),
+  )
+  return plan, topo, inputs
+
+
+def _by_feature(feature_specs: Any, values: Mapping[str, Any]) -> Any:
+  return jax.tree.map(
+    lambda f: values[f.name], feature_specs, is_leaf=embedding_spec.is_feature
+  )
+
+
+def tpu_sparse_dense_matmul(
+  preprocessed_inputs: Any,
+  embedding_variables: Mapping[str, Any],
+  feature_specs: Any,
+  *,
+  global_device_count: int,
+  sharding_strategy: str = "MOD",
+  num_sc_per_device: int | None = None,
+  enable_minibatching: bool = False,
+  perform_unstacking: bool = True,
+  use_activation_unstack_primitive: bool = False,
+) -> Any:
+  """One device's activations, inside `jax.shard_map` (upstream's pattern).
+
+  Runs pz_sparsecore's lookup of every stack (`parallel.local_lookup`: the
+  FFI kernel and the exchange over the `shard_map`'s axis) on the device's
+  buffers and table shards (`[S * V_shard, D]`, as `init_embedding_variables`
+  lays them out).
+
+  Returns:
+    The activations, structured like `feature_specs`: `[S * n_f, dim_f]` per
+    feature (its samples on this device).
+
+  Raises:
+    ValueError: Outside `shard_map`, on a device count that is not the
+      `shard_map`'s, with `enable_minibatching` or without
+      `perform_unstacking` (not supported).
+  """
+  del use_activation_unstack_primitive
+  if not perform_unstacking:
+    raise ValueError("perform_unstacking=False is not supported")
+  plan, topo, inputs = _device_call(
+    preprocessed_inputs,
+    feature_specs,
+    global_device_count,
+    num_sc_per_device,
+    sharding_strategy,
+    enable_minibatching,
+  )
+  tables = {name: v[0] for name, v in embedding_variables.items()}
+  return _by_feature(
+    feature_specs, parallel.local_lookup(plan, topo, tables, inputs)
+  )
+
+
+def tpu_sparse_dense_matmul_grad(
+  activation_gradients: Any,
+  preprocessed_inputs: Any,
+  embedding_variables: Mapping[str, Any],
+  feature_specs: Any,
+  *,
+  global_device_count: int | None = None,
+  sharding_strategy: str = "MOD",
+  label: str = "",
+  step: Any = None,
+  num_sc_per_device: int | None = None,
+  enable_minibatching: bool = False,
+  perform_stacking: bool = True,
+  use_gradient_stacking_primitive: bool = False,
+  embedding_var_limits: Any = None,
+) -> dict[str, EmbeddingVariables]:
+  """One device's fused update, inside `jax.shard_map` (upstream's pattern).
+
+  Every row the batch references gets its gradient summed over all devices'
+  samples and the stack's optimizer once (`parallel.local_update`), in place
+  when the variables are donated.
+
+  Returns:
+    Stack name -> the updated `EmbeddingVariables` (slots in the same
+    namedtuple as given).
+
+  Raises:
+    ValueError: As `tpu_sparse_dense_matmul`, and with
+      `embedding_var_limits` (not supported).
+  """
+  del label, use_gradient_stacking_primitive
+  if not perform_stacking or embedding_var_limits is not None:
+    raise ValueError(
+      "perform_stacking=False and embedding_var_limits are not supported"
+    )
+  plan, topo, inputs = _device_call(
+    preprocessed_inputs,
+    feature_specs,
+    global_device_count,
+    num_sc_per_device,
+    sharding_strategy,
+    enable_minibatching,
+  )
+  grads = {
+    f.name: g
+    for f, g in zip(
+      jax.tree.leaves(feature_specs, is_leaf=embedding_spec.is_feature),
+      jax.tree.leaves(activation_gradients),
+      strict=True,
+    )
+  }
+  tables = {name: v[0] for name, v in embedding_variables.items()}
+  slots = {name: tuple(v[1]) for name, v in embedding_variables.items()}
+  hyper = parallel.hyperparameters(plan, 0 if step is None else step)
+  updated = parallel.local_update(
+    plan, topo, tables, slots, inputs, grads, hyper
+  )
+  return {
+    name: EmbeddingVariables(
+      table=table, slot=type(embedding_variables[name][1])(*new_slots)
+    )
+    for name, (table, new_slots) in updated.items()
+  }

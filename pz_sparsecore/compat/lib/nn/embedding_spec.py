@@ -398,7 +398,8 @@ class FeatureSpec:
 # Conversion to the frozen specs and back.
 
 
-def _is_feature(x: Any) -> bool:
+def is_feature(x: Any) -> bool:
+  """Whether `x` is a (compat or frozen) `FeatureSpec`: a spec tree leaf."""
   return isinstance(x, FeatureSpec | pz.FeatureSpec)
 
 
@@ -443,7 +444,7 @@ def to_pz(feature_specs: Any, *, last_table_per_name: bool = False) -> Any:
   tables: dict[Any, pz.TableSpec] = {}
   last: dict[str, Any] = {}
   if last_table_per_name:
-    for feature in jax.tree.leaves(feature_specs, is_leaf=_is_feature):
+    for feature in jax.tree.leaves(feature_specs, is_leaf=is_feature):
       if isinstance(feature, FeatureSpec):
         last[feature.table_spec.name] = feature.table_spec
 
@@ -466,7 +467,7 @@ def to_pz(feature_specs: Any, *, last_table_per_name: bool = False) -> Any:
       id_transformation=feature.id_transformation,
     )
 
-  return jax.tree.map(convert, feature_specs, is_leaf=_is_feature)
+  return jax.tree.map(convert, feature_specs, is_leaf=is_feature)
 
 
 def _compat_optimizer(table: TableSpec, frozen: pz.OptimizerSpec) -> Any:
@@ -478,8 +479,8 @@ def _compat_optimizer(table: TableSpec, frozen: pz.OptimizerSpec) -> Any:
 
 def write_back(feature_specs: Any, frozen_specs: Any) -> None:
   """Fills the compat specs in place from frozen specs of the same tree."""
-  compat = jax.tree.leaves(feature_specs, is_leaf=_is_feature)
-  frozen = jax.tree.leaves(frozen_specs, is_leaf=_is_feature)
+  compat = jax.tree.leaves(feature_specs, is_leaf=is_feature)
+  frozen = jax.tree.leaves(frozen_specs, is_leaf=is_feature)
   for feature, new in zip(compat, frozen, strict=True):
     if not isinstance(feature, FeatureSpec):
       continue

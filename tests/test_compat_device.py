@@ -1,0 +1,183 @@
+"""Upstream's device side: `tpu_sparse_dense_matmul(_grad)` in a shard_map.
+
+An upstream training step written as its Shakespeare example writes it
+(`jax.shard_map` over the tables' mesh axis, the variables of
+`init_embedding_variables`) runs with its imports changed; the activations
+and the updated tables are checked against numpy on the logical tables.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pz_sparsecore.compat.lib.nn import (
+  embedding,
+  embedding_spec,
+  table_stacking,
+)
+
+BATCH, DIM, S = 64, 8, 4
+LR = 0.25
+
+
+def _specs():
+  sgd = embedding_spec.SGDOptimizerSpec(learning_rate=LR)
+  adagrad = embedding_spec.AdagradOptimizerSpec(
+    learning_rate=LR, initial_accumulator_value=0.5
+  )
+  tables = [
+    embedding_spec.TableSpec(
+      vocabulary_size=vocab,
+      embedding_dim=DIM,
+      initializer=jax.nn.initializers.normal(1.0),
+      optimizer=optimizer,
+      combiner="sum",
+      name=name,
+      max_ids_per_partition=64,
+      max_unique_ids_per_partition=64,
+    )
+    for name, vocab, optimizer in (
+      ("a", 64, sgd),
+      ("b", 40, sgd),
+      ("c", 96, adagrad),
+    )
+  ]
+  return {
+    f"f{t.name}": embedding_spec.FeatureSpec(
+      table_spec=t,
+      input_shape=[BATCH, 3],
+      output_shape=[BATCH, DIM],
+      name=f"f{t.name}",
+    )
+    for t in tables
+  }
+
+
+def _setup():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("device",))
+  g = mesh.size
+  specs = _specs()
+  table_stacking.stack_tables(specs, ["a", "b"], g, S)
+  embedding.prepare_feature_specs_for_training(specs, g, S)
+  rng = np.random.default_rng(0)
+  ids = {
+    name: rng.integers(0, f.table_spec.vocabulary_size, (BATCH, 3))
+    for name, f in specs.items()
+  }
+  ids["fa"][:3] = [[0, 63, 63], [32, 31, 0], [1, 1, 1]]  # edges, duplicates
+  buffers, _ = embedding.preprocess_sparse_dense_matmul_input(
+    ids, None, specs, g, g, num_sc_per_device=S
+  )
+  sharding = NamedSharding(mesh, P("device"))
+  buffers = jax.device_put(buffers, sharding)
+  table_specs = {f.table_spec.name: f.table_spec for f in specs.values()}
+  variables = embedding.init_embedding_variables(
+    jax.random.key(3), table_specs, NamedSharding(mesh, P("device", None)), S
+  )
+  return mesh, specs, ids, buffers, table_specs, variables
+
+
+def _logical(table_specs, variables, slot=None):
+  """Logical tables (or one slot's) of the stacked variables."""
+  arrays = {
+    name: v.table if slot is None else getattr(v.slot, slot)
+    for name, v in variables.items()
+    if slot is None or hasattr(v.slot, slot)
+  }
+  specs = {
+    name: t
+    for name, t in table_specs.items()
+    if t.setting_in_stack.stack_name in arrays
+  }
+  return {
+    name: np.asarray(t)
+    for name, t in table_stacking.unshard_and_unstack_tables(
+      specs, arrays, len(jax.devices()) * S
+    ).items()
+  }
+
+
+def _step(mesh, specs, g):
+  pd, pe = P("device"), P("device", None)
+  forward = jax.shard_map(
+    functools.partial(
+      embedding.tpu_sparse_dense_matmul,
+      global_device_count=g,
+      feature_specs=specs,
+      sharding_strategy="MOD",
+    ),
+    mesh=mesh,
+    in_specs=(pd, pe),
+    out_specs=pd,
+    check_vma=False,
+  )
+  backward = jax.shard_map(
+    functools.partial(
+      embedding.tpu_sparse_dense_matmul_grad,
+      feature_specs=specs,
+      sharding_strategy="MOD",
+    ),
+    mesh=mesh,
+    in_specs=(pd, pd, pe),
+    out_specs=pe,
+    check_vma=False,
+  )
+  return jax.jit(forward), jax.jit(backward, donate_argnums=2)
+
+
+def test_upstream_device_step_equals_numpy():
+  mesh, specs, ids, buffers, table_specs, variables = _setup()
+  before = _logical(table_specs, variables)
+  forward, backward = _step(mesh, specs, mesh.size)
+  acts = forward(buffers, variables)
+  for name, f in specs.items():
+    want = before[f.table_spec.name][ids[name]].astype(np.float64).sum(1)
+    np.testing.assert_allclose(acts[name], want, rtol=1e-5, atol=1e-5)
+  rng = np.random.default_rng(1)
+  grads = {
+    name: rng.normal(size=(BATCH, DIM)).astype(np.float32) for name in specs
+  }
+  accumulator = _logical(table_specs, variables, "accumulator")["c"]
+  new = backward(grads, buffers, variables)
+  after = _logical(table_specs, new)
+  for name, f in specs.items():
+    table = f.table_spec.name
+    row_grad = np.zeros_like(before[table], np.float64)
+    np.add.at(row_grad, ids[name], grads[name][:, None, :].astype(np.float64))
+    touched = np.unique(ids[name])
+    if table == "c":
+      acc = accumulator.astype(np.float64) + row_grad**2
+      want = before[table] - LR * row_grad / np.sqrt(acc)
+      new_acc = _logical(table_specs, new, "accumulator")["c"]
+      np.testing.assert_allclose(new_acc[touched], acc[touched], rtol=1e-5)
+    else:
+      want = before[table] - LR * row_grad
+    np.testing.assert_allclose(
+      after[table][touched], want[touched], rtol=1e-5, atol=1e-5
+    )
+    untouched = np.setdiff1d(np.arange(len(want)), touched)
+    np.testing.assert_array_equal(
+      after[table][untouched], before[table][untouched]
+    )
+
+
+def test_device_functions_refuse_outside_shard_map_then_work_inside():
+  mesh, specs, _, buffers, _, variables = _setup()
+  with pytest.raises(ValueError, match="inside jax.shard_map"):
+    embedding.tpu_sparse_dense_matmul(
+      buffers, variables, specs, global_device_count=mesh.size
+    )
+  forward, _ = _step(mesh, specs, mesh.size // 2)
+  with pytest.raises(ValueError, match="global_device_count=4, but"):
+    forward(buffers, variables)
+  forward, _ = _step(mesh, specs, mesh.size)
+  acts = forward(buffers, variables)
+  assert set(acts) == set(specs)
+  assert jnp.shape(acts["fa"]) == (BATCH, DIM)
