@@ -417,14 +417,14 @@ def init_embedding_variables(
 
 def _device_call(
   preprocessed_inputs: Any,
+  embedding_variables: Mapping[str, Any],
   feature_specs: Any,
-  global_device_count: int | None,
-  num_sc_per_device: int | None,
-  sharding_strategy: Any,
-  enable_minibatching: bool,
-) -> tuple[Any, Any, PreprocessedInput]:
-  """The plan, the `shard_map`'s topology and the buffers of a device call."""
-  _refuse_minibatching(enable_minibatching)
+  settings: tuple[int | None, int | None, Any],
+) -> tuple[Any, Any, PreprocessedInput, dict[str, Any]]:
+  """The plan, the `shard_map`'s topology, the buffers and the tables of a
+  device call; `settings` are `(global_device_count, num_sc_per_device,
+  sharding_strategy)`."""
+  global_device_count, num_sc_per_device, sharding_strategy = settings
   sharding_strategy_to_enum(_strategy_name(sharding_strategy))
   _check_feature_names(feature_specs)
   topo = parallel.shard_map_topology(_num_sc(num_sc_per_device))
@@ -446,7 +446,8 @@ def _device_call(
     lhs_sample_ids=dict(preprocessed_inputs.lhs_sample_ids),
     lhs_gains=dict(preprocessed_inputs.lhs_gains),
   )
-  return plan, topo, inputs
+  tables = {name: v[0] for name, v in embedding_variables.items()}
+  return plan, topo, inputs, tables
 
 
 def _by_feature(feature_specs: Any, values: Mapping[str, Any]) -> Any:
@@ -486,15 +487,11 @@ def tpu_sparse_dense_matmul(
   del use_activation_unstack_primitive
   if not perform_unstacking:
     raise ValueError("perform_unstacking=False is not supported")
-  plan, topo, inputs = _device_call(
-    preprocessed_inputs,
-    feature_specs,
-    global_device_count,
-    num_sc_per_device,
-    sharding_strategy,
-    enable_minibatching,
+  _refuse_minibatching(enable_minibatching)
+  settings = (global_device_count, num_sc_per_device, sharding_strategy)
+  plan, topo, inputs, tables = _device_call(
+    preprocessed_inputs, embedding_variables, feature_specs, settings
   )
-  tables = {name: v[0] for name, v in embedding_variables.items()}
   return _by_feature(
     feature_specs, parallel.local_lookup(plan, topo, tables, inputs)
   )
@@ -535,13 +532,10 @@ def tpu_sparse_dense_matmul_grad(
     raise ValueError(
       "perform_stacking=False and embedding_var_limits are not supported"
     )
-  plan, topo, inputs = _device_call(
-    preprocessed_inputs,
-    feature_specs,
-    global_device_count,
-    num_sc_per_device,
-    sharding_strategy,
-    enable_minibatching,
+  _refuse_minibatching(enable_minibatching)
+  settings = (global_device_count, num_sc_per_device, sharding_strategy)
+  plan, topo, inputs, tables = _device_call(
+    preprocessed_inputs, embedding_variables, feature_specs, settings
   )
   grads = {
     f.name: g
@@ -551,7 +545,6 @@ def tpu_sparse_dense_matmul_grad(
       strict=True,
     )
   }
-  tables = {name: v[0] for name, v in embedding_variables.items()}
   slots = {name: tuple(v[1]) for name, v in embedding_variables.items()}
   hyper = parallel.hyperparameters(plan, 0 if step is None else step)
   updated = parallel.local_update(
