@@ -32,7 +32,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradF2ACuda);
 
 // Bumped whenever a handler's operands, attributes or contract change, or a
 // target is added or removed (pz_sparsecore/kernels/ffi.py: ABI_VERSION).
-constexpr int kAbiVersion = 5;
+constexpr int kAbiVersion = 6;
 }  // namespace pzsc
 
 namespace {

@@ -214,6 +214,25 @@ void ForwardSumRows(const ForwardChunk* chunks, int64_t num_chunks,
   }
 }
 
+void ForwardSumQuantizedRows(const ForwardChunk* chunks, int64_t num_chunks,
+                             const float* table, int64_t dim,
+                             int64_t row_begin, int64_t row_end, float* out,
+                             const Quantization& q) {
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    float* __restrict o = out + r * dim;
+    for (int64_t i = 0; i < dim; ++i) o[i] = 0.0f;
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const ForwardEntry* sorted = chunks[c].sorted.data();
+      const int64_t* starts = chunks[c].starts.data();
+      for (int64_t j = starts[r], end = starts[r + 1]; j < end; ++j) {
+        const float g = sorted[j].gain;
+        const float* __restrict x = table + sorted[j].table_offset;
+        for (int64_t i = 0; i < dim; ++i) o[i] += g * Quantize(q, x[i]);
+      }
+    }
+  }
+}
+
 PZSC_MULTIVERSION
 bool IdsSorted(const int32_t* ids, int64_t n) {
   // OR-ing the comparisons (no early exit, no carried count) vectorises.

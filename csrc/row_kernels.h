@@ -8,6 +8,7 @@
 
 #include "coo_layout.h"
 #include "optimizers.h"
+#include "quantize.h"
 
 namespace pzsc {
 
@@ -74,6 +75,13 @@ void ForwardSortChunk(const CooView& view, const std::vector<Slice>& slices,
 void ForwardSumRows(const ForwardChunk* chunks, int64_t num_chunks,
                     const float* table, int64_t dim, int64_t row_begin,
                     int64_t row_end, float* out);
+
+// ForwardSumRows reading each table value through Quantize(q, .) (generic
+// loop; same summation order).
+void ForwardSumQuantizedRows(const ForwardChunk* chunks, int64_t num_chunks,
+                             const float* table, int64_t dim,
+                             int64_t row_begin, int64_t row_end, float* out,
+                             const Quantization& q);
 
 // Whether ids[0, n) is non-decreasing (one vectorised pass, no early exit).
 bool IdsSorted(const int32_t* ids, int64_t n);

@@ -35,6 +35,7 @@
 #include "coo_layout.h"
 #include "huge_pages.h"
 #include "parallel_for.h"
+#include "quantize.h"
 #include "row_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -53,7 +54,7 @@ ffi::Error SparseDenseMatmulImpl(
     ffi::ThreadPool pool, ffi::AnyBuffer row_pointers,
     ffi::AnyBuffer embedding_ids, ffi::AnyBuffer sample_ids,
     ffi::AnyBuffer gains, ffi::AnyBuffer table, ffi::Result<ffi::AnyBuffer> out,
-    LayoutAttrs attrs) {
+    LayoutAttrs attrs, Quantization quantization) {
   CooView view;
   if (auto err = MakeCooView(attrs, row_pointers, embedding_ids, sample_ids,
                              gains, table, &view);
@@ -69,6 +70,7 @@ ffi::Error SparseDenseMatmulImpl(
   if (auto err = CollectSlices(view, &slices); err.failure()) return err;
   const float* table_data = table.typed_data<float>();
   float* out_data = out->typed_data<float>();
+  if (auto err = CheckQuantization(quantization); err.failure()) return err;
   if (view.dim == 0 || num_out == 0) return ffi::Error::Success();
   AdviseHugePages(table_data, table.size_bytes());
 
@@ -92,10 +94,16 @@ ffi::Error SparseDenseMatmulImpl(
       1, num_out * kEntriesPerBlock / std::max<int64_t>(total, 1));
   ParallelFor(pool, (num_out + rows_per_block - 1) / rows_per_block,
               [&](int64_t b) {
-                ForwardSumRows(chunks, num_chunks, table_data,
-                               view.dim, b * rows_per_block,
-                               std::min((b + 1) * rows_per_block, num_out),
-                               out_data);
+                const int64_t begin = b * rows_per_block;
+                const int64_t end = std::min(begin + rows_per_block, num_out);
+                if (quantization.num_buckets > 0) {
+                  ForwardSumQuantizedRows(chunks, num_chunks, table_data,
+                                          view.dim, begin, end, out_data,
+                                          quantization);
+                } else {
+                  ForwardSumRows(chunks, num_chunks, table_data, view.dim,
+                                 begin, end, out_data);
+                }
               });
   for (ForwardChunk& chunk : scratch) {
     if (chunk.bytes() > kMaxKeptScratchBytes) chunk = ForwardChunk();
@@ -109,6 +117,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SparseDenseMatmulCpu, SparseDenseMatmulImpl,
     BindCooOperands(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())
         .Ret<ffi::AnyBuffer>()  // out
-        .Attr<LayoutAttrs>("layout"));
+        .Attr<LayoutAttrs>("layout")
+        .Attr<Quantization>("quantization"));
 
 }  // namespace pzsc

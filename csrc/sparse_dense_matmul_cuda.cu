@@ -52,6 +52,7 @@
 
 #include "coo_layout.h"
 #include "optimizers.h"
+#include "quantize.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace pzsc {
@@ -169,7 +170,7 @@ constexpr int64_t kForwardRun = 8;
 template <bool kVec4>
 __global__ void PzscForwardKernel(DeviceLayout l, int lane_shift,
                                   const float* __restrict__ table,
-                                  float* __restrict__ out) {
+                                  float* __restrict__ out, Quantization q) {
   const int lanes = 1 << lane_shift;
   const int64_t groups =
       (static_cast<int64_t>(gridDim.x) * blockDim.x) >> lane_shift;
@@ -195,6 +196,10 @@ __global__ void PzscForwardKernel(DeviceLayout l, int lane_shift,
             x = *reinterpret_cast<const float4*>(src);
           } else {
             x.x = *src;
+          }
+          if (q.num_buckets > 0) {
+            x = make_float4(Quantize(q, x.x), Quantize(q, x.y),
+                            Quantize(q, x.z), Quantize(q, x.w));
           }
         }
         const float g = l.gains[j];
@@ -454,7 +459,7 @@ ffi::Error ForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer row_pointers,
                            ffi::AnyBuffer sample_ids, ffi::AnyBuffer gains,
                            ffi::AnyBuffer table,
                            ffi::Result<ffi::AnyBuffer> out,
-                           LayoutAttrs attrs) {
+                           LayoutAttrs attrs, Quantization quantization) {
   CooView view;
   if (auto err = MakeCooView(attrs, row_pointers, embedding_ids, sample_ids,
                              gains, table, &view);
@@ -465,6 +470,7 @@ ffi::Error ForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer row_pointers,
       err.failure()) {
     return err;
   }
+  if (auto err = CheckQuantization(quantization); err.failure()) return err;
   if (auto err = CheckRowPointers(stream, view); err.failure()) return err;
   if (out->size_bytes() == 0) return ffi::Error::Success();
   PZSC_CUDA_RETURN_IF_ERROR(
@@ -486,11 +492,11 @@ ffi::Error ForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer row_pointers,
   const int64_t runs = (l.num_positions + kForwardRun - 1) / kForwardRun;
   const int blocks = Blocks(runs * lanes);
   if (vec4) {
-    PzscForwardKernel<true>
-        <<<blocks, kThreadsPerBlock, 0, stream>>>(l, lane_shift, t, o);
+    PzscForwardKernel<true><<<blocks, kThreadsPerBlock, 0, stream>>>(
+        l, lane_shift, t, o, quantization);
   } else {
-    PzscForwardKernel<false>
-        <<<blocks, kThreadsPerBlock, 0, stream>>>(l, lane_shift, t, o);
+    PzscForwardKernel<false><<<blocks, kThreadsPerBlock, 0, stream>>>(
+        l, lane_shift, t, o, quantization);
   }
   PZSC_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return ffi::Error::Success();
@@ -707,7 +713,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SparseDenseMatmulCuda, ForwardCudaImpl,
     BindCooOperands(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
         .Ret<ffi::AnyBuffer>()  // out
-        .Attr<LayoutAttrs>("layout"));
+        .Attr<LayoutAttrs>("layout")
+        .Attr<Quantization>("quantization"));
 
 #define PZSC_DEFINE_CUDA_GRAD_HANDLER(name, opt)                       \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                       \

@@ -129,7 +129,8 @@ def _layout(bufs, padded, batch, num_sc):
 
 
 @pytest.mark.parametrize("case", LAYOUT_CASES)
-def test_forward_matches_reference(case):
+@pytest.mark.parametrize("quantization", [None, (-0.5, 0.75, 6)])
+def test_forward_matches_reference(case, quantization):
   seed, batch, k, vocab, dim, num_sc = case
   ids = _zipf_batch(seed, batch=batch, ids_per_sample=k, vocab=vocab)
   bufs, padded = _buffers_from_ids(ids, vocab=vocab, dim=dim, num_sc=num_sc)
@@ -137,7 +138,9 @@ def test_forward_matches_reference(case):
   table = np.random.default_rng(seed).normal(size=(padded, dim))
   table = table.astype(np.float32)
   fwd = jax.jit(
-    functools.partial(kernels.sparse_dense_matmul, **layout),
+    functools.partial(
+      kernels.sparse_dense_matmul, quantization=quantization, **layout
+    ),
     static_argnames="implementation",
   )
   got = fwd(*map(_on_gpu, bufs), _on_gpu(table), implementation="ffi")

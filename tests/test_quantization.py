@@ -7,6 +7,8 @@ the table itself and its updates stay float32.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,29 +40,39 @@ def test_levels_round_half_to_even_and_clip():
   np.testing.assert_array_equal(got, [-0.5, -0.5, 0.0, 0.0, 0.75, 0.5, 0.75])
 
 
-def test_quantized_forward_equals_numpy_and_has_no_compiled_handler():
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+def test_quantized_forward_equals_numpy(impl):
   buf = make_buffers(21, num_segments=2, num_partitions=4)
   table = _table(buf, 8, seed=4)  # normal(0, 1): many values clip
   want = dense_forward(buf, np_quantize(table, CONFIG))
   lookup = jax.jit(
     lambda *a: kernels.sparse_dense_matmul(
-      *a, quantization=CONFIG.as_tuple(), **buf.layout()
+      *a, quantization=CONFIG.as_tuple(), implementation=impl, **buf.layout()
     )
   )
   got = lookup(*buf.args(), jnp.asarray(table))
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
   # Unquantized, the same call differs.
-  assert not np.allclose(_forward(buf, table, "ffi"), want, atol=1e-3)
-  with pytest.raises(ValueError, match="no compiled handler"):
-    kernels.sparse_dense_matmul(
-      *buf.args(),
-      jnp.asarray(table),
-      quantization=CONFIG.as_tuple(),
-      implementation="ffi",
-      **buf.layout(),
+  assert not np.allclose(_forward(buf, table, impl), want, atol=1e-3)
+
+
+def test_quantized_forward_with_a_generic_width_and_refused_settings():
+  buf = make_buffers(22, num_segments=3, num_partitions=2)
+  table = _table(buf, 13, seed=5)  # not a multiple of 8: the generic loop
+  config = pzsc.QuantizationConfig(min_value=-1.0, max_value=2.0, num_buckets=7)
+  want = dense_forward(buf, np_quantize(table, config))
+  call = functools.partial(
+    kernels.sparse_dense_matmul, implementation="ffi", **buf.layout()
+  )
+  got = call(*buf.args(), jnp.asarray(table), quantization=config.as_tuple())
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  # The handler checks the attribute too (the spec class refuses first).
+  with pytest.raises(Exception, match="num_buckets >= 2"):
+    jax.block_until_ready(
+      call(*buf.args(), jnp.asarray(table), quantization=(0.0, 1.0, 1))
     )
-  info = pzsc.backend_info()
-  assert info.implementations["forward quantized"]["cpu"] == "reference"
+  got = call(*buf.args(), jnp.asarray(table), quantization=config.as_tuple())
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def _table_spec(name, config, vocab=40, lr=0.5):

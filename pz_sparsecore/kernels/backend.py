@@ -4,13 +4,12 @@ Example (a CPU-only build)::
 
   >>> print(pz_sparsecore.backend_info())
   pz_sparsecore kernels: .../pz_sparsecore/_pzsc_ffi.cpython-311-...so
-    ABI version 5 (expected 5), CUDA handlers: no
+    ABI version 6 (expected 6), CUDA handlers: no
     ragged-id reader: .../pz_sparsecore/_pzsc_ragged.cpython-311-...so
     target                  cpu        cuda
     forward                 ffi        reference
     grad sgd                ffi        reference
     ...
-    forward quantized       reference  reference
     grad custom             reference  reference
 """
 
@@ -38,11 +37,9 @@ class BackendInfo:
     implementations: Target label (``"forward"``, ``"grad adagrad"``, ...)
       → platform → what ``implementation=None`` runs there: ``"ffi"``,
       ``"reference"`` or ``"error"`` (ABI mismatch: calls raise). The last
-      labels are always ``"reference"`` (there is no compiled handler to
-      run): ``"forward quantized"``, the lookups of tables with a
-      ``QuantizationConfig`` (the pure-JAX forward), and ``"grad custom"``,
-      every custom optimizer's update (``CustomOptimizerSpec``: its JAX
-      function in the pure-JAX backward).
+      label, ``"grad custom"``, is every custom optimizer's update
+      (``CustomOptimizerSpec``): always ``"reference"`` (its JAX function in
+      the pure-JAX backward; there is no compiled handler to run).
   """
 
   extension_path: str | None
@@ -78,8 +75,8 @@ class BackendInfo:
     return "\n".join(line.rstrip() for line in lines)
 
 
-_REFERENCE_ONLY = ("forward quantized", "grad custom")
-"""The labels of kernels without a compiled handler in ``implementations``."""
+_CUSTOM_LABEL = "grad custom"
+"""The label of custom optimizers' updates in ``implementations``."""
 
 
 def _targets() -> dict[str, str]:
@@ -112,8 +109,5 @@ def backend_info() -> BackendInfo:
       }
       for label, target in _targets().items()
     }
-    | {
-      label: {p: "reference" for p in dispatch.PLATFORMS}
-      for label in _REFERENCE_ONLY
-    },
+    | {_CUSTOM_LABEL: {p: "reference" for p in dispatch.PLATFORMS}},
   )

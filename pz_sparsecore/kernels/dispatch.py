@@ -144,9 +144,8 @@ def choose(
   if target is None:
     if implementation == "ffi":
       raise ValueError(
-        "This kernel has no compiled handler (a custom optimizer's update "
-        "runs its JAX function, a quantized lookup the pure-JAX forward); "
-        "pass implementation=None or 'reference'."
+        "This kernel has no compiled handler: a custom optimizer's update "
+        "runs its JAX function; pass implementation=None or 'reference'."
       )
     return reference_fn
   ffi.require_compatible()

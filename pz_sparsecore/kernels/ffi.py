@@ -53,7 +53,7 @@ import numpy as np
 from pz_sparsecore import _extension, optimizers
 from pz_sparsecore.kernels import contract
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 """The handlers' ABI this package was written for (``kAbiVersion`` in
 ``csrc/module.cc``)."""
 
@@ -286,6 +286,7 @@ def sparse_dense_matmul(
   gains: jax.Array,
   table: jax.Array,
   shape: contract.BufferShape,
+  quantization: tuple[float, float, int] | None = None,
 ) -> jax.Array:
   """Calls the forward handler (validated operands; see ``ops``)."""
   out_type = jax.ShapeDtypeStruct((shape.num_outputs, shape.dim), jnp.float32)
@@ -293,7 +294,15 @@ def sparse_dense_matmul(
   operands, axes = _unify_vma(
     (row_pointers, embedding_ids, sample_ids, gains, table)
   )
-  return _to_varying(call(*operands, **_shape_attrs(shape)), axes)
+  lo, hi, buckets = quantization or (0.0, 0.0, 0)
+  attrs = {
+    "quantization": {
+      "min_value": np.float32(lo),
+      "max_value": np.float32(hi),
+      "num_buckets": np.int64(buckets),
+    }
+  }
+  return _to_varying(call(*operands, **_shape_attrs(shape), **attrs), axes)
 
 
 def sparse_dense_matmul_grad(

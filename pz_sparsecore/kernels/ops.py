@@ -116,8 +116,8 @@ def sparse_dense_matmul(
     rows_per_partition: Rows of one partition's table shard.
     partition_begin: First partition held by ``table``.
     quantization: None, or a quantized table's ``(min_value, max_value,
-      num_buckets)``: rows are read through ``reference.quantize``, by the
-      pure-JAX forward (``backend_info()``: "forward quantized").
+      num_buckets)``: every value is read through the rule of
+      ``reference.quantize`` (clipped, rounded to the nearest level).
     implementation: ``None`` (FFI where compiled, else reference),
       ``"ffi"`` or ``"reference"``.
 
@@ -148,9 +148,9 @@ def sparse_dense_matmul(
     partition_begin=partition_begin,
   )
   fn = dispatch.choose(
-    ffi.FORWARD_TARGET if quantization is None else None,
+    ffi.FORWARD_TARGET,
     implementation,
-    lambda *a: ffi.sparse_dense_matmul(*a, shape),
+    lambda *a: ffi.sparse_dense_matmul(*a, shape, quantization),
     lambda *a: reference.sparse_dense_matmul(
       *a[:4], a[4].reshape(-1, shape.dim), shape, quantization
     ),
