@@ -296,7 +296,7 @@ def bcoo_rows(
   )
 
 
-def _check_upstream_options(
+def check_upstream_options(
   enable_minibatching: bool, sharding_strategy: Any
 ) -> str:
   """The sharding strategy's name; raises on options not supported."""
@@ -361,7 +361,7 @@ def preprocess_sparse_dense_matmul_input_from_sparse_tensor(
       `enable_minibatching=True`.
   """
   del all_reduce_interface
-  strategy = _check_upstream_options(enable_minibatching, sharding_strategy)
+  strategy = check_upstream_options(enable_minibatching, sharding_strategy)
   plan = plan_lib.build(
     feature_specs, global_device_count, num_sc_per_device, for_tables=False
   )

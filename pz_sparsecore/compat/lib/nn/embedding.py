@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, TypeVar, Union
 import jax
 import numpy as np
 
-from pz_sparsecore import buffer_format, fdo, layout, parallel
+from pz_sparsecore import buffer_format, fdo, layout, parallel, sparse_coo
 from pz_sparsecore import plan as plan_lib
 from pz_sparsecore import preprocess as pz_preprocess
 from pz_sparsecore.compat.lib.nn import embedding_spec, table_stacking
@@ -211,10 +211,6 @@ def sharding_strategy_to_enum(sharding_strategy: str) -> Any:
   return pybind_input_preprocessing.ShardingStrategy.MOD
 
 
-def _strategy_name(sharding_strategy: Any) -> str:
-  return getattr(sharding_strategy, "name", sharding_strategy)
-
-
 def preprocess_sparse_dense_matmul_input(
   features: Any,
   features_weights: Any,
@@ -232,7 +228,9 @@ def preprocess_sparse_dense_matmul_input(
 ) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
   """Preprocesses a batch: pz_sparsecore's preprocessing on these specs."""
   del all_reduce_interface
-  _refuse_minibatching(enable_minibatching)
+  strategy = sparse_coo.check_upstream_options(
+    enable_minibatching, sharding_strategy
+  )
   return pz_preprocess.preprocess_sparse_dense_matmul_input(
     features,
     features_weights,
@@ -240,19 +238,11 @@ def preprocess_sparse_dense_matmul_input(
     local_device_count,
     global_device_count,
     num_sc_per_device=_num_sc(num_sc_per_device),
-    sharding_strategy=_strategy_name(sharding_strategy),
+    sharding_strategy=strategy,
     has_leading_dimension=has_leading_dimension,
     allow_id_dropping=allow_id_dropping,
     batch_number=batch_number,
   )
-
-
-def _refuse_minibatching(enable_minibatching: bool) -> None:
-  if enable_minibatching:
-    raise ValueError(
-      "enable_minibatching=True is not supported by pz_sparsecore; "
-      "preprocess with enable_minibatching=False"
-    )
 
 
 def preprocess_sparse_dense_matmul_input_from_sparse_tensor(
@@ -267,8 +257,6 @@ def preprocess_sparse_dense_matmul_input_from_sparse_tensor(
   **kwargs: Any,
 ) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
   """Preprocesses COO input (indices, values, dense shapes per feature)."""
-  from pz_sparsecore import sparse_coo
-
   return sparse_coo.preprocess_sparse_dense_matmul_input_from_sparse_tensor(
     indices,
     values,
@@ -425,7 +413,7 @@ def _device_call(
   device call; `settings` are `(global_device_count, num_sc_per_device,
   sharding_strategy)`."""
   global_device_count, num_sc_per_device, sharding_strategy = settings
-  sharding_strategy_to_enum(_strategy_name(sharding_strategy))
+  sharding_strategy_to_enum(sharding_strategy)
   _check_feature_names(feature_specs)
   topo = parallel.shard_map_topology(_num_sc(num_sc_per_device))
   if global_device_count is not None and (
@@ -487,8 +475,10 @@ def tpu_sparse_dense_matmul(
   del use_activation_unstack_primitive
   if not perform_unstacking:
     raise ValueError("perform_unstacking=False is not supported")
-  _refuse_minibatching(enable_minibatching)
-  settings = (global_device_count, num_sc_per_device, sharding_strategy)
+  strategy = sparse_coo.check_upstream_options(
+    enable_minibatching, sharding_strategy
+  )
+  settings = (global_device_count, num_sc_per_device, strategy)
   plan, topo, inputs, tables = _device_call(
     preprocessed_inputs, embedding_variables, feature_specs, settings
   )
@@ -532,8 +522,10 @@ def tpu_sparse_dense_matmul_grad(
     raise ValueError(
       "perform_stacking=False and embedding_var_limits are not supported"
     )
-  _refuse_minibatching(enable_minibatching)
-  settings = (global_device_count, num_sc_per_device, sharding_strategy)
+  strategy = sparse_coo.check_upstream_options(
+    enable_minibatching, sharding_strategy
+  )
+  settings = (global_device_count, num_sc_per_device, strategy)
   plan, topo, inputs, tables = _device_call(
     preprocessed_inputs, embedding_variables, feature_specs, settings
   )
