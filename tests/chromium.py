@@ -46,10 +46,12 @@ DRAWN = """(() => {
 })()"""
 
 
+# Each output and array gets 30 s: on 2 busy cores (the suite runs beside
+# the docs test) Treescope has taken over 10 s to draw an array.
 DRAW_ALL = """(async () => {
   const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
   const until = async (test) => {
-    for (let i = 0; i < 200 && !test(); i++) await sleep(50);
+    for (let i = 0; i < 600 && !test(); i++) await sleep(50);
     return test();
   };
   const undrawn = [];
@@ -116,8 +118,9 @@ def devtools(chromium: str, profile, width: int, height: int):
     port = port_file.read_text().split()[0]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list") as r:
       pages = [t for t in json.load(r) if t["type"] == "page"]
+    # One DRAW_ALL evaluation may wait on several slow arrays.
     ws = websocket.create_connection(
-      pages[0]["webSocketDebuggerUrl"], timeout=60
+      pages[0]["webSocketDebuggerUrl"], timeout=300
     )
     ids = iter(range(1, 10**6))
 
