@@ -227,15 +227,22 @@ def _from_tuple(name: str, leaf: tuple[Any, ...], what: str) -> Ragged:
 
 def _dense_objects(name: str, leaf: np.ndarray, what: str) -> np.ndarray:
   """A 2-D object array of numbers (upstream reads it as dense) as numbers."""
-  for index, item in enumerate(leaf.flat):
-    if np.ndim(item) != 0:
-      raise ValueError(
-        f"feature {name!r}: a 2-D object array of {what} must hold one "
-        f"number per element, got {_describe(item)} at sample "
-        f"{index // max(leaf.shape[1], 1)}"
-      )
-  array = np.array(leaf.tolist()).reshape(leaf.shape)
-  return array if array.size else array.astype(np.int64)
+  try:
+    array = np.array(leaf.tolist())
+  except ValueError:  # ragged elements
+    array = None
+  if array is None or (array.shape != leaf.shape and leaf.size):
+    # Some element is not a number: name the first (the only per-element
+    # pass, on the error path).
+    index, item = next(
+      (i, x) for i, x in enumerate(leaf.flat) if np.ndim(x) != 0
+    )
+    raise ValueError(
+      f"feature {name!r}: a 2-D object array of {what} must hold one "
+      f"number per element, got {_describe(item)} at sample "
+      f"{index // max(leaf.shape[1], 1)}"
+    )
+  return array if array.size else np.zeros(leaf.shape, np.int64)
 
 
 def to_ragged(name: str, leaf: Any, what: str) -> Ragged:
