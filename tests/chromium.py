@@ -164,12 +164,27 @@ def wait_for(call, expression: str, timeout: float = 60) -> None:
     time.sleep(0.25)
 
 
+# Chromium reports a ResizeObserver callback that resizes what it observes
+# as an uncaught error; it is a notice that layout took another frame (the
+# window is resized while outputs draw), not a fault of the page.
+BENIGN = ("ResizeObserver loop",)
+
+
 def console_errors(call) -> list[str]:
-  """The JavaScript errors the page reported so far (Runtime domain on)."""
+  """The JavaScript errors the page reported so far (Runtime domain on),
+  each with its message and source location."""
   errors = []
   for method, params in call.events:
     if method == "Runtime.exceptionThrown":
-      errors.append(params["exceptionDetails"].get("text", "exception"))
+      details = params["exceptionDetails"]
+      thrown = details.get("exception", {})
+      message = str(thrown.get("description", thrown.get("value", "")))
+      if message.startswith(BENIGN):
+        continue
+      errors.append(
+        f"{details.get('text', 'exception')} {message} "
+        f"({details.get('url', '')}:{details.get('lineNumber', '?')})"
+      )
     elif method == "Runtime.consoleAPICalled" and params["type"] == "error":
       errors.append(" ".join(str(a.get("value")) for a in params["args"]))
   return errors
