@@ -67,6 +67,7 @@ bench: $(STAMP)
 	# module needs none of its dependencies): never a dependency of ours.
 	$(PY) -m pip install -q --no-deps jax-tpu-embedding==0.1.0
 	$(PY) benchmarks/preprocess.py
+	$(PY) benchmarks/minibatching.py
 	$(PY) benchmarks/kernels.py
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/exchange_bytes.py

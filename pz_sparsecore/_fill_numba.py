@@ -135,6 +135,7 @@ class Scalars(NamedTuple):
     log2_shards: log2(N).
     row_pointers_per_sc: `max(N, 8)`.
     allow_id_dropping: Drop pairs over the limits.
+    count_raw_ids: Write `Outputs.raw_ids`.
   """
 
   num_local_devices: int
@@ -143,6 +144,7 @@ class Scalars(NamedTuple):
   log2_shards: int
   row_pointers_per_sc: int
   allow_id_dropping: bool
+  count_raw_ids: bool
 
 
 class Outputs(NamedTuple):
@@ -158,6 +160,8 @@ class Outputs(NamedTuple):
     required: int32 `[items]`, `sum_p r8(pairs_p)`.
     dropped: int64 `[items]`, raw ids dropped.
     overflowed: int64 `[items]`, of which for lack of room.
+    raw_ids: int32, like `gains`: the raw ids merged into each entry
+      (written only with `Scalars.count_raw_ids`; else empty).
   """
 
   row_pointers: np.ndarray
@@ -169,6 +173,7 @@ class Outputs(NamedTuple):
   required: np.ndarray
   dropped: np.ndarray
   overflowed: np.ndarray
+  raw_ids: np.ndarray
 
 
 class _Entries(NamedTuple):
@@ -195,6 +200,7 @@ class _Segment(NamedTuple):
   max_unique: int
   weighted: bool
   allow_id_dropping: bool
+  count_raw_ids: bool
 
 
 @_inline
@@ -333,6 +339,7 @@ def _segment(stacks, scalars, t, sc):
     max_unique=stacks.max_unique[t],
     weighted=stacks.weighted[t],
     allow_id_dropping=scalars.allow_id_dropping,
+    count_raw_ids=scalars.count_raw_ids,
   )
 
 
@@ -364,6 +371,8 @@ def _write_partition(srt, i, end, pos, row_base, entries, seg, out):
     if key == prev_key and sid == prev_sid:
       if written:
         out.gains[seg.start + pos - 1] += g
+        if seg.count_raw_ids:
+          out.raw_ids[seg.start + pos - 1] += 1
       else:
         dropped += 1
         if kept:
@@ -381,6 +390,8 @@ def _write_partition(srt, i, end, pos, row_base, entries, seg, out):
       out.embedding_ids[seg.start + pos] = key - row_base
       out.sample_ids[seg.start + pos] = sid
       out.gains[seg.start + pos] = g
+      if seg.count_raw_ids:
+        out.raw_ids[seg.start + pos] = 1
       pos += 1
     else:
       dropped += 1

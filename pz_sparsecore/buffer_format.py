@@ -94,15 +94,19 @@ def compute_row_pointers_size_per_device(
 
 
 def compute_theoretical_max_coo_buffer_size(
-  max_ids_per_partition: int, global_device_count: int, num_sc_per_device: int
+  max_ids_per_partition: int,
+  global_device_count: int,
+  num_sc_per_device: int,
+  minibatches: int = 1,
 ) -> int:
   """The COO buffer per device that no batch can overflow.
 
   Returns:
-    `r8(max_ids_per_partition) * S * N`.
+    `r8(max_ids_per_partition) * S * N`, times `minibatches` (each
+    minibatch keeps the limit).
   """
   n = num_shards(global_device_count, num_sc_per_device)
-  return round_up(max_ids_per_partition) * num_sc_per_device * n
+  return round_up(max_ids_per_partition) * num_sc_per_device * n * minibatches
 
 
 def coo_buffer_size_per_device(
@@ -111,15 +115,17 @@ def coo_buffer_size_per_device(
   suggested_size: int | None,
   global_device_count: int,
   num_sc_per_device: int,
+  minibatches: int = 1,
 ) -> int:
-  """A stack's COO entries per device: the theoretical maximum, or the
-  suggested size rounded up to a multiple of `8 * S`.
+  """A stack's COO entries per device: the theoretical maximum (for up to
+  `minibatches` minibatches), or the suggested size rounded up to a
+  multiple of `8 * S`.
 
   Raises:
     ValueError: If the suggested size exceeds the theoretical maximum.
   """
   c_max = compute_theoretical_max_coo_buffer_size(
-    max_ids_per_partition, global_device_count, num_sc_per_device
+    max_ids_per_partition, global_device_count, num_sc_per_device, minibatches
   )
   if suggested_size is None:
     return c_max
@@ -131,6 +137,7 @@ def coo_buffer_size_per_device(
       f"{c_max} = r8(max_ids_per_partition={max_ids_per_partition})"
       f" x {num_sc_per_device} SparseCores x "
       f"{global_device_count * num_sc_per_device} partitions"
+      + (f" x {minibatches} minibatches" if minibatches > 1 else "")
     )
   return size
 

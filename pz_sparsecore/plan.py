@@ -137,6 +137,7 @@ class Plan:
     for_tables: Whether the plan sizes tables (see `build`). Preprocessing
       with a plan that does not takes each feature's samples from the
       input's rows, as upstream does, instead of from its `output_shape`.
+    minibatches: The minibatches its COO buffers are sized for.
   """
 
   feature_specs: tuple[FeatureSpec, ...]
@@ -145,6 +146,7 @@ class Plan:
   num_sc_per_device: int
   stacks: tuple[StackPlan, ...]
   for_tables: bool = True
+  minibatches: int = 1
 
   def __hash__(self) -> int:
     # jit hashes its static arguments on every call: hash the specs once.
@@ -295,7 +297,11 @@ def _feature_plan(spec: FeatureSpec, n: int) -> FeaturePlan:
 
 
 def _stack_plan(
-  features: list[FeatureSpec], g: int, s: int, for_tables: bool
+  features: list[FeatureSpec],
+  g: int,
+  s: int,
+  for_tables: bool,
+  minibatches: int,
 ) -> StackPlan:
   stacked = features[0].table_spec.stacked_table_spec
   n = g * s
@@ -310,6 +316,7 @@ def _stack_plan(
     stacked.suggested_coo_buffer_size_per_device,
     g,
     s,
+    minibatches,
   )
   features = sorted(features, key=lambda f: id_transformation(f).row_offset)
   return StackPlan(
@@ -334,6 +341,7 @@ def _build(
   g: int,
   s: int,
   for_tables: bool = True,
+  minibatches: int = 1,
 ) -> Plan:
   by_stack: dict[str, list[FeatureSpec]] = {}
   for spec in leaves:
@@ -345,9 +353,11 @@ def _build(
     num_devices=g,
     num_sc_per_device=s,
     stacks=tuple(
-      _stack_plan(group, g, s, for_tables) for group in by_stack.values()
+      _stack_plan(group, g, s, for_tables, minibatches)
+      for group in by_stack.values()
     ),
     for_tables=for_tables,
+    minibatches=minibatches,
   )
 
 
@@ -357,6 +367,7 @@ def build(
   num_sc_per_device: int,
   *,
   for_tables: bool = True,
+  minibatches: int = 1,
 ) -> Plan:
   """The plan of prepared `feature_specs` on `G x S` SparseCores.
 
@@ -371,6 +382,8 @@ def build(
       every stack's vocabulary must split over the shards as prepared for
       this topology and `total_sample_count` must add up. Preprocessing
       needs neither (as upstream's), and passes False.
+    minibatches: Size COO buffers for this many minibatches
+      (`minibatching.NUM_BUCKETS` with minibatching, else 1).
 
   Returns:
     The frozen, hashable plan.
@@ -384,9 +397,9 @@ def build(
   g, s = int(global_device_count), int(num_sc_per_device)
   leaves, treedef = _flatten_specs(feature_specs)
   try:
-    return _cached_build(tuple(leaves), treedef, g, s, for_tables)
+    return _cached_build(tuple(leaves), treedef, g, s, for_tables, minibatches)
   except TypeError:  # A spec holds something unhashable: plan afresh.
-    return _build(tuple(leaves), treedef, g, s, for_tables)
+    return _build(tuple(leaves), treedef, g, s, for_tables, minibatches)
 
 
 _cached_build = functools.lru_cache(maxsize=64)(_build)

@@ -113,12 +113,16 @@ class PreprocessedInput:
     lhs_embedding_ids: int32 row of the id inside its owner's shard.
     lhs_sample_ids: int32 SparseCore-local sample of the id.
     lhs_gains: float32 weight of the entry.
+    num_minibatches: None, or for minibatched buffers (`minibatching`)
+      int32 `[L]` (`[L, 1]` with a leading dimension): every device's
+      number of minibatches, the same on all.
   """
 
   lhs_row_pointers: dict[str, Any]
   lhs_embedding_ids: dict[str, Any]
   lhs_sample_ids: dict[str, Any]
   lhs_gains: dict[str, Any]
+  num_minibatches: Any = None
 
   def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
     from pz_sparsecore import _treescope
@@ -203,7 +207,10 @@ class SparseDenseMatmulInputStats:
 
 
 def compute_coo_buffer_size_per_device(
-  feature_specs: Any, global_device_count: int, num_sc_per_device: int
+  feature_specs: Any,
+  global_device_count: int,
+  num_sc_per_device: int,
+  minibatches: int = 1,
 ) -> dict[str, int]:
   """The COO buffer length per device of every stack.
 
@@ -211,6 +218,8 @@ def compute_coo_buffer_size_per_device(
     feature_specs: A pytree of prepared `FeatureSpec`s.
     global_device_count: Devices the tables are sharded over.
     num_sc_per_device: (Virtual) SparseCores per device.
+    minibatches: 64 (`buffer_format.MAX_MINIBATCHES`) for minibatched
+      buffers, else 1.
 
   Returns:
     Stack name -> `C_dev`.
@@ -220,7 +229,11 @@ def compute_coo_buffer_size_per_device(
       the theoretical maximum.
   """
   plan = plan_lib.build(
-    feature_specs, global_device_count, num_sc_per_device, for_tables=False
+    feature_specs,
+    global_device_count,
+    num_sc_per_device,
+    for_tables=False,
+    minibatches=minibatches,
   )
   return {stack.name: stack.coo_per_device for stack in plan.stacks}
 
@@ -324,6 +337,8 @@ def preprocess_sparse_dense_matmul_input(
   has_leading_dimension: bool = False,
   allow_id_dropping: bool = False,
   batch_number: int = 0,
+  enable_minibatching: bool = False,
+  all_reduce: Any = None,
 ) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
   """Builds the lookup buffers and stats of one process-local batch.
 
@@ -346,10 +361,17 @@ def preprocess_sparse_dense_matmul_input(
       instead of flattening them.
     allow_id_dropping: Drop ids over the limits instead of raising.
     batch_number: The batch's index (unused; kept for compatibility).
+    enable_minibatching: Lay the buffers out in minibatches
+      (`minibatching`): a batch whose ids exceed the limits is split in
+      minibatches that each keep them, instead of raising or dropping.
+    all_reduce: With minibatching over several processes, how they agree
+      on the split (`minibatching.AllReduce`); None uses JAX's collectives
+      over all processes when there are several.
 
   Returns:
     The `PreprocessedInput` buffers and the `SparseDenseMatmulInputStats`,
-    each a dict per stack name.
+    each a dict per stack name. With minibatching, the buffers have
+    `num_minibatches` set.
 
   Raises:
     ValueError: On malformed or out-of-range inputs, mismatched trees, specs
@@ -364,13 +386,19 @@ def preprocess_sparse_dense_matmul_input(
   _check_topology(local_device_count, global_device_count, num_sc_per_device)
   return preprocess_for_plan(
     plan_lib.build(
-      feature_specs, global_device_count, num_sc_per_device, for_tables=False
+      feature_specs,
+      global_device_count,
+      num_sc_per_device,
+      for_tables=False,
+      minibatches=buffer_format.MAX_MINIBATCHES if enable_minibatching else 1,
     ),
     features,
     features_weights,
     local_device_count,
     has_leading_dimension=has_leading_dimension,
     allow_id_dropping=allow_id_dropping,
+    enable_minibatching=enable_minibatching,
+    all_reduce=all_reduce,
   )
 
 
@@ -382,6 +410,8 @@ def preprocess_for_plan(
   *,
   has_leading_dimension: bool = False,
   allow_id_dropping: bool = False,
+  enable_minibatching: bool = False,
+  all_reduce: Any = None,
 ) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
   """`preprocess_sparse_dense_matmul_input` for an already built plan.
 
@@ -392,6 +422,8 @@ def preprocess_for_plan(
     local_device_count: Devices of this process.
     has_leading_dimension: Give the buffers a leading device axis.
     allow_id_dropping: Drop ids over the limits instead of raising.
+    enable_minibatching: Minibatched buffers (`minibatching`).
+    all_reduce: How processes agree on the minibatching split.
 
   Returns:
     The buffers and stats, as `preprocess_sparse_dense_matmul_input`.
@@ -408,12 +440,91 @@ def preprocess_for_plan(
     weights = ragged_input.leaves_like(
       plan.treedef, features_weights, "features_weights"
     )
-  call = _Call.allocate(plan, int(local_device_count), bool(allow_id_dropping))
   leaves = dict(zip(names, zip(ids, weights, strict=True), strict=True))
-  args = _kernel_args(call, leaves)
+  if enable_minibatching:
+    from pz_sparsecore import minibatching
+
+    if plan.minibatches != buffer_format.MAX_MINIBATCHES:
+      plan = plan_lib.build(
+        plan.specs_tree,
+        plan.num_devices,
+        plan.num_sc_per_device,
+        for_tables=plan.for_tables,
+        minibatches=buffer_format.MAX_MINIBATCHES,
+      )
+    return minibatching.preprocess(
+      plan,
+      leaves,
+      int(local_device_count),
+      has_leading_dimension=has_leading_dimension,
+      allow_id_dropping=bool(allow_id_dropping),
+      all_reduce=all_reduce,
+    )
+  call = fill(plan, leaves, int(local_device_count), bool(allow_id_dropping))
+  _check_call_limits(call)
+  return _results(call, has_leading_dimension)
+
+
+def fill(
+  plan: plan_lib.Plan,
+  leaves: dict[str, tuple[Any, Any]],
+  num_local: int,
+  allow_id_dropping: bool,
+  *,
+  unbounded: bool = False,
+) -> _Call:
+  """Runs the numba fill on validated inputs; returns the call's outputs.
+
+  Args:
+    plan: The plan.
+    leaves: Feature name -> (ids, weights or None).
+    num_local: Local devices.
+    allow_id_dropping: Drop pairs over the limits.
+    unbounded: Lift the limits and size every SparseCore segment for all
+      its ids (nothing is dropped, nothing raises), and count the raw ids
+      merged into each entry: the first pass of minibatching.
+  """
+  features = [f for stack in plan.stacks for f in stack.features]
+  batch = ragged_input.read_batch(
+    features,
+    [leaves[f.name][0] for f in features],
+    [leaves[f.name][1] for f in features],
+  )
+  items_per_stack = num_local * plan.num_sc_per_device
+  rows_per_sc = np.array(
+    [
+      _rows_per_sc(f, int(rows), plan, items_per_stack)
+      for f, rows in zip(features, batch.num_rows, strict=True)
+    ],
+    np.int64,
+  )
+  first_feature = ragged_input.splits_from_lengths(
+    [len(s.features) for s in plan.stacks]
+  )
+  item_size = _item_sizes(batch, rows_per_sc, first_feature, items_per_stack)
+  coo_per_sc = np.array([s.coo_per_sc for s in plan.stacks], np.int64)
+  if unbounded:
+    # Every partition of a segment wastes at most 7 entries to alignment.
+    largest = item_size.reshape(len(plan.stacks), -1).max(axis=1)
+    coo_per_sc = buffer_format.round_up(largest + 7 * plan.num_shards)
+  call = _Call.allocate(
+    plan, num_local, allow_id_dropping, coo_per_sc, unbounded
+  )
+  args = (
+    _fill_numba.Batch(
+      values=batch.values,
+      weights=batch.weights,
+      row_splits=batch.row_splits,
+      item_size=item_size,
+    ),
+    _feature_arrays(features, batch, rows_per_sc),
+    _stack_arrays(call, first_feature, batch.weighted, rows_per_sc),
+    _scalars(call),
+    call.out,
+  )
   with _KERNEL_LOCK:
     _fill_numba.fill_buffers(*args)
-  return _results(call, has_leading_dimension)
+  return call
 
 
 # ---------------------------------------------------------------------------
@@ -431,16 +542,23 @@ class _Call:
   plan: plan_lib.Plan
   num_local: int
   allow_id_dropping: bool
+  coo_per_sc: np.ndarray
+  unbounded: bool
   coo_offset: np.ndarray
   row_pointer_offset: np.ndarray
   out: _fill_numba.Outputs
 
   @classmethod
   def allocate(
-    cls, plan: plan_lib.Plan, num_local: int, allow_id_dropping: bool
+    cls,
+    plan: plan_lib.Plan,
+    num_local: int,
+    allow_id_dropping: bool,
+    coo_per_sc: np.ndarray,
+    unbounded: bool,
   ) -> _Call:
     coo_offset = ragged_input.splits_from_lengths(
-      [s.coo_per_device * num_local for s in plan.stacks]
+      coo_per_sc * plan.num_sc_per_device * num_local
     )
     rp_dev = compute_row_pointers_size_per_device(
       plan.num_devices, plan.num_sc_per_device
@@ -460,62 +578,41 @@ class _Call:
       required=np.empty(items, np.int32),
       dropped=np.empty(items, np.int64),
       overflowed=np.empty(items, np.int64),
+      raw_ids=np.empty(coo if unbounded else 0, np.int32),
     )
-    return cls(plan, num_local, allow_id_dropping, coo_offset, rp_offset, out)
+    return cls(
+      plan,
+      num_local,
+      allow_id_dropping,
+      coo_per_sc,
+      unbounded,
+      coo_offset,
+      rp_offset,
+      out,
+    )
 
   @property
   def items_per_stack(self) -> int:
     return self.num_local * self.plan.num_sc_per_device
 
 
-def _kernel_args(
-  call: _Call, leaves: dict[str, tuple[Any, Any]]
-) -> tuple[Any, ...]:
-  """Converts and validates every stack's inputs; the kernel's arguments."""
-  stacks = call.plan.stacks
-  features = [f for stack in stacks for f in stack.features]
-  batch = ragged_input.read_batch(
-    features,
-    [leaves[f.name][0] for f in features],
-    [leaves[f.name][1] for f in features],
-  )
-  rows_per_sc = np.array(
-    [
-      _rows_per_sc(f, int(rows), call)
-      for f, rows in zip(features, batch.num_rows, strict=True)
-    ],
-    np.int64,
-  )
-  first_feature = ragged_input.splits_from_lengths(
-    [len(s.features) for s in stacks]
-  )
-  return (
-    _fill_numba.Batch(
-      values=batch.values,
-      weights=batch.weights,
-      row_splits=batch.row_splits,
-      item_size=_item_sizes(batch, rows_per_sc, first_feature, call),
-    ),
-    _feature_arrays(features, batch, rows_per_sc),
-    _stack_arrays(call, first_feature, batch.weighted, rows_per_sc),
-    _scalars(call),
-    call.out,
-  )
-
-
-def _rows_per_sc(feature: plan_lib.FeaturePlan, batch: int, call: _Call) -> int:
+def _rows_per_sc(
+  feature: plan_lib.FeaturePlan,
+  batch: int,
+  plan: plan_lib.Plan,
+  items_per_stack: int,
+) -> int:
   """Rows of `feature`'s local batch per SparseCore, validated."""
-  spec, num_local = feature.spec, call.num_local
-  num_sc = call.plan.num_sc_per_device
+  spec, num_sc = feature.spec, plan.num_sc_per_device
   if batch == 0:
     raise ValueError(f"feature {spec.name!r}: empty batch")
-  if batch % (num_local * num_sc):
+  if batch % items_per_stack:
     raise ValueError(
       f"feature {spec.name!r}: batch of {batch} rows does not divide over"
-      f" {num_local} local devices x {num_sc} SparseCores"
+      f" {items_per_stack // num_sc} local devices x {num_sc} SparseCores"
     )
-  rows, n = batch // (num_local * num_sc), call.plan.num_shards
-  if call.plan.for_tables and rows * n != spec.sample_count:
+  rows, n = batch // items_per_stack, plan.num_shards
+  if plan.for_tables and rows * n != spec.sample_count:
     raise ValueError(
       f"feature {spec.name!r}: {batch} local rows give {rows} samples per "
       f"SparseCore, i.e. {rows * n} global samples, but its spec has "
@@ -528,10 +625,10 @@ def _item_sizes(
   batch: ragged_input.FlatBatch,
   rows_per_sc: np.ndarray,
   first_feature: np.ndarray,
-  call: _Call,
+  items_per_stack: int,
 ) -> np.ndarray:
   """The ids of every work item (stack, local device, SparseCore)."""
-  sizes = np.zeros((len(first_feature) - 1, call.items_per_stack), np.int64)
+  sizes = np.zeros((len(first_feature) - 1, items_per_stack), np.int64)
   for t in range(len(sizes)):
     for f in range(first_feature[t], first_feature[t + 1]):
       r0 = batch.first_row[f]
@@ -570,18 +667,20 @@ def _stack_arrays(
   """Per-stack arrays; a stack's samples are its features' rows (upstream's
   `batch_size_per_sc`, the plan's `samples_per_sc` when it sizes tables)."""
   stacks = call.plan.stacks
+  max_ids = _int_array(stacks, lambda s: s.spec.max_ids_per_partition)
+  max_unique = _int_array(stacks, lambda s: s.spec.max_unique_ids_per_partition)
+  if call.unbounded:
+    max_ids[:] = max_unique[:] = np.iinfo(np.int32).max
   return _fill_numba.Stacks(
     first_feature=first_feature,
     combiner=_int_array(stacks, lambda s: _COMBINER_CODES[s.spec.combiner]),
-    max_ids=_int_array(stacks, lambda s: s.spec.max_ids_per_partition),
-    max_unique=_int_array(
-      stacks, lambda s: s.spec.max_unique_ids_per_partition
-    ),
+    max_ids=max_ids,
+    max_unique=max_unique,
     rows_per_shard=_int_array(stacks, lambda s: s.rows_per_shard),
     key_bits=_int_array(
       stacks, lambda s: int(s.spec.stack_vocab_size - 1).bit_length()
     ),
-    coo_per_sc=_int_array(stacks, lambda s: s.coo_per_sc),
+    coo_per_sc=call.coo_per_sc,
     coo_offset=call.coo_offset[:-1],
     row_pointer_offset=call.row_pointer_offset[:-1],
     samples_per_sc=np.add.reduceat(rows_per_sc, first_feature[:-1]),
@@ -598,6 +697,7 @@ def _scalars(call: _Call) -> _fill_numba.Scalars:
     log2_shards=n.bit_length() - 1,
     row_pointers_per_sc=buffer_format.row_pointers_per_sc(n),
     allow_id_dropping=call.allow_id_dropping,
+    count_raw_ids=call.unbounded,
   )
 
 
@@ -605,18 +705,26 @@ def _scalars(call: _Call) -> _fill_numba.Scalars:
 # Limits and results.
 
 
-def _results(
-  call: _Call, has_leading_dimension: bool
-) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
-  """Checks the limits and wraps the outputs per stack."""
+def counts(call: _Call) -> tuple[np.ndarray, np.ndarray]:
+  """The (sample, id) pairs and distinct ids every source SparseCore sends
+  every partition, before any dropping: two `[T, L, S, N]` arrays."""
+  plan = call.plan
+  shape = (
+    len(plan.stacks),
+    call.num_local,
+    plan.num_sc_per_device,
+    plan.num_shards,
+  )
+  return call.out.obs_ids.reshape(shape), call.out.obs_unique.reshape(shape)
+
+
+def _check_call_limits(call: _Call) -> None:
+  """Raises or warns where a stack's counts exceed its limits or its
+  buffer overflowed."""
   plan, out = call.plan, call.out
-  num_stacks = len(plan.stacks)
-  shape = (num_stacks, call.num_local, plan.num_sc_per_device, plan.num_shards)
-  obs_ids = out.obs_ids.reshape(shape)
-  obs_unique = out.obs_unique.reshape(shape)
-  required = out.required.reshape(num_stacks, -1)
-  dropped = out.dropped.reshape(num_stacks, -1).sum(axis=1)
-  overflowed = out.overflowed.reshape(num_stacks, -1).sum(axis=1)
+  obs_ids, obs_unique = counts(call)
+  required = out.required.reshape(len(plan.stacks), -1)
+  overflowed = out.overflowed.reshape(len(plan.stacks), -1).sum(axis=1)
   for t, stack in enumerate(plan.stacks):
     _check_limits(stack, obs_ids[t], obs_unique[t], call.allow_id_dropping)
     if overflowed[t]:
@@ -629,23 +737,37 @@ def _results(
         stacklevel=3,
       )
 
-  def per_stack(flat: np.ndarray, offsets: np.ndarray) -> dict[str, Any]:
-    blocks = {}
-    for t, stack in enumerate(plan.stacks):
-      block = flat[offsets[t] : offsets[t + 1]]
-      if has_leading_dimension:
-        block = block.reshape(call.num_local, -1)
-      blocks[stack.name] = block
-    return blocks
 
+def per_stack(
+  plan: plan_lib.Plan,
+  flat: np.ndarray,
+  offsets: np.ndarray,
+  num_local: int,
+  has_leading_dimension: bool,
+) -> dict[str, np.ndarray]:
+  """Stack name -> its block `flat[offsets[t]:offsets[t + 1]]`, shaped
+  `[L, -1]` with a leading dimension."""
+  blocks = {}
+  for t, stack in enumerate(plan.stacks):
+    block = flat[offsets[t] : offsets[t + 1]]
+    if has_leading_dimension:
+      block = block.reshape(num_local, -1)
+    blocks[stack.name] = block
+  return blocks
+
+
+def stats_of(
+  call: _Call, dropped: np.ndarray | None = None
+) -> SparseDenseMatmulInputStats:
+  """The call's stats; `dropped` (raw ids per stack) replaces the fill's."""
+  plan, out = call.plan, call.out
+  num_stacks = len(plan.stacks)
+  obs_ids, obs_unique = counts(call)
+  required = out.required.reshape(num_stacks, -1)
+  if dropped is None:
+    dropped = out.dropped.reshape(num_stacks, -1).sum(axis=1)
   names = [stack.name for stack in plan.stacks]
-  buffers = PreprocessedInput(
-    lhs_row_pointers=per_stack(out.row_pointers, call.row_pointer_offset),
-    lhs_embedding_ids=per_stack(out.embedding_ids, call.coo_offset),
-    lhs_sample_ids=per_stack(out.sample_ids, call.coo_offset),
-    lhs_gains=per_stack(out.gains, call.coo_offset),
-  )
-  stats = SparseDenseMatmulInputStats(
+  return SparseDenseMatmulInputStats(
     max_ids_per_partition={
       name: obs_ids[t].max(axis=1).reshape(-1) for t, name in enumerate(names)
     },
@@ -658,7 +780,26 @@ def _results(
     },
     id_drop_counters={name: int(dropped[t]) for t, name in enumerate(names)},
   )
-  return buffers, stats
+
+
+def _results(
+  call: _Call, has_leading_dimension: bool
+) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
+  """Wraps the outputs per stack."""
+  out = call.out
+
+  def blocks(flat: np.ndarray, offsets: np.ndarray) -> dict[str, Any]:
+    return per_stack(
+      call.plan, flat, offsets, call.num_local, has_leading_dimension
+    )
+
+  buffers = PreprocessedInput(
+    lhs_row_pointers=blocks(out.row_pointers, call.row_pointer_offset),
+    lhs_embedding_ids=blocks(out.embedding_ids, call.coo_offset),
+    lhs_sample_ids=blocks(out.sample_ids, call.coo_offset),
+    lhs_gains=blocks(out.gains, call.coo_offset),
+  )
+  return buffers, stats_of(call)
 
 
 def _check_limits(

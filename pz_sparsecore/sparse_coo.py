@@ -296,16 +296,8 @@ def bcoo_rows(
   )
 
 
-def check_upstream_options(
-  enable_minibatching: bool, sharding_strategy: Any
-) -> str:
-  """The sharding strategy's name; raises on options not supported."""
-  if enable_minibatching:
-    raise ValueError(
-      "enable_minibatching=True is not supported: pz_sparsecore "
-      "preprocesses a batch whole (raise the limits with FDO, or pass "
-      "allow_id_dropping=True)"
-    )
+def strategy_name(sharding_strategy: Any) -> str:
+  """The name of a sharding strategy given as a string or an enum member."""
   return getattr(sharding_strategy, "name", sharding_strategy)
 
 
@@ -348,20 +340,18 @@ def preprocess_sparse_dense_matmul_input_from_sparse_tensor(
     has_leading_dimension: Give the buffers a leading device axis.
     allow_id_dropping: Drop ids over the limits instead of raising.
     batch_number: The batch's index (unused; kept for compatibility).
-    enable_minibatching: Only False (upstream's minibatching is not
-      supported).
-    all_reduce_interface: Ignored (upstream uses it only to minibatch).
+    enable_minibatching: Minibatched buffers (`minibatching`).
+    all_reduce_interface: How processes agree on a minibatching split
+      (`preprocess_sparse_dense_matmul_input`'s `all_reduce`).
 
   Returns:
     The `PreprocessedInput` buffers and the `SparseDenseMatmulInputStats`.
 
   Raises:
     ValueError: As `preprocess_sparse_dense_matmul_input`; on a malformed
-      COO batch (naming the feature and the value); on
-      `enable_minibatching=True`.
+      COO batch (naming the feature and the value).
   """
-  del all_reduce_interface
-  strategy = check_upstream_options(enable_minibatching, sharding_strategy)
+  strategy = strategy_name(sharding_strategy)
   plan = plan_lib.build(
     feature_specs, global_device_count, num_sc_per_device, for_tables=False
   )
@@ -388,6 +378,8 @@ def preprocess_sparse_dense_matmul_input_from_sparse_tensor(
     has_leading_dimension=has_leading_dimension,
     allow_id_dropping=allow_id_dropping,
     batch_number=batch_number,
+    enable_minibatching=enable_minibatching,
+    all_reduce=all_reduce_interface,
   )
 
 

@@ -173,10 +173,13 @@ def test_preprocessing_equals_the_frozen_api():
   )
   assert num_minibatches == 1
   assert embedding.SparseDenseMatmulInputStats.from_cc(stats) is stats
-  with pytest.raises(ValueError, match="enable_minibatching"):
-    embedding.preprocess_sparse_dense_matmul_input(
-      ids, None, features, 1, 1, num_sc_per_device=4, enable_minibatching=True
-    )
+  minibatched, _ = embedding.preprocess_sparse_dense_matmul_input(
+    ids, None, features, 1, 1, num_sc_per_device=4, enable_minibatching=True
+  )
+  assert minibatched.num_minibatches.tolist() == [1]
+  assert minibatched.lhs_embedding_ids["a_b"].size == 64 * (
+    want.lhs_embedding_ids["a_b"].size
+  )
 
 
 def test_lookups_of_specs_raise_upstreams_errors():

@@ -8,6 +8,7 @@ and the updated tables are checked against numpy on the logical tables.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -27,7 +28,7 @@ BATCH, DIM, S = 64, 8, 4
 LR = 0.25
 
 
-def _specs():
+def _specs(limit=64, scale=1):
   sgd = embedding_spec.SGDOptimizerSpec(learning_rate=LR)
   adagrad = embedding_spec.AdagradOptimizerSpec(
     learning_rate=LR, initial_accumulator_value=0.5
@@ -40,13 +41,13 @@ def _specs():
       optimizer=optimizer,
       combiner="sum",
       name=name,
-      max_ids_per_partition=64,
-      max_unique_ids_per_partition=64,
+      max_ids_per_partition=limit,
+      max_unique_ids_per_partition=limit,
     )
     for name, vocab, optimizer in (
-      ("a", 64, sgd),
-      ("b", 40, sgd),
-      ("c", 96, adagrad),
+      ("a", 64 * scale, sgd),
+      ("b", 40 * scale, sgd),
+      ("c", 96 * scale, adagrad),
     )
   ]
   return {
@@ -60,10 +61,10 @@ def _specs():
   }
 
 
-def _setup():
-  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("device",))
+def _setup(devices=None, limit=64, scale=1, minibatching=False):
+  mesh = jax.sharding.Mesh(np.array(devices or jax.devices()), ("device",))
   g = mesh.size
-  specs = _specs()
+  specs = _specs(limit, scale)
   table_stacking.stack_tables(specs, ["a", "b"], g, S)
   embedding.prepare_feature_specs_for_training(specs, g, S)
   rng = np.random.default_rng(0)
@@ -73,18 +74,33 @@ def _setup():
   }
   ids["fa"][:3] = [[0, 63, 63], [32, 31, 0], [1, 1, 1]]  # edges, duplicates
   buffers, _ = embedding.preprocess_sparse_dense_matmul_input(
-    ids, None, specs, g, g, num_sc_per_device=S
+    ids,
+    None,
+    specs,
+    g,
+    g,
+    num_sc_per_device=S,
+    enable_minibatching=minibatching,
   )
   sharding = NamedSharding(mesh, P("device"))
   buffers = jax.device_put(buffers, sharding)
+  buffers = (
+    dataclasses.replace(buffers, num_minibatches=None)
+    if (not minibatching)
+    else buffers
+  )
   table_specs = {f.table_spec.name: f.table_spec for f in specs.values()}
   variables = embedding.init_embedding_variables(
-    jax.random.key(3), table_specs, NamedSharding(mesh, P("device", None)), S
+    jax.random.key(3),
+    table_specs,
+    NamedSharding(mesh, P("device", None)),
+    S,
+    bypass_mesh_check=devices is not None,
   )
   return mesh, specs, ids, buffers, table_specs, variables
 
 
-def _logical(table_specs, variables, slot=None):
+def _logical(table_specs, variables, slot=None, shards=None):
   """Logical tables (or one slot's) of the stacked variables."""
   arrays = {
     name: v.table if slot is None else getattr(v.slot, slot)
@@ -99,12 +115,12 @@ def _logical(table_specs, variables, slot=None):
   return {
     name: np.asarray(t)
     for name, t in table_stacking.unshard_and_unstack_tables(
-      specs, arrays, len(jax.devices()) * S
+      specs, arrays, shards or len(jax.devices()) * S
     ).items()
   }
 
 
-def _step(mesh, specs, g):
+def _step(mesh, specs, g, minibatching=False):
   pd, pe = P("device"), P("device", None)
   forward = jax.shard_map(
     functools.partial(
@@ -112,6 +128,7 @@ def _step(mesh, specs, g):
       global_device_count=g,
       feature_specs=specs,
       sharding_strategy="MOD",
+      enable_minibatching=minibatching,
     ),
     mesh=mesh,
     in_specs=(pd, pe),
@@ -123,6 +140,7 @@ def _step(mesh, specs, g):
       embedding.tpu_sparse_dense_matmul_grad,
       feature_specs=specs,
       sharding_strategy="MOD",
+      enable_minibatching=minibatching,
     ),
     mesh=mesh,
     in_specs=(pd, pd, pe),
@@ -132,10 +150,19 @@ def _step(mesh, specs, g):
   return jax.jit(forward), jax.jit(backward, donate_argnums=2)
 
 
-def test_upstream_device_step_equals_numpy():
-  mesh, specs, ids, buffers, table_specs, variables = _setup()
-  before = _logical(table_specs, variables)
-  forward, backward = _step(mesh, specs, mesh.size)
+@pytest.mark.parametrize("minibatching", [False, True])
+def test_upstream_device_step_equals_numpy(minibatching):
+  """With minibatching: 2 devices, limits of 4 ids per partition (about a
+  quarter of what a partition gets), so the batch splits."""
+  if minibatching:
+    mesh, specs, ids, buffers, table_specs, variables = _setup(
+      jax.devices()[:2], limit=4, scale=16, minibatching=True
+    )
+    assert int(np.asarray(buffers.num_minibatches)[0]) > 1
+  else:
+    mesh, specs, ids, buffers, table_specs, variables = _setup()
+  before = _logical(table_specs, variables, shards=mesh.size * S)
+  forward, backward = _step(mesh, specs, mesh.size, minibatching)
   acts = forward(buffers, variables)
   for name, f in specs.items():
     want = before[f.table_spec.name][ids[name]].astype(np.float64).sum(1)
@@ -144,9 +171,10 @@ def test_upstream_device_step_equals_numpy():
   grads = {
     name: rng.normal(size=(BATCH, DIM)).astype(np.float32) for name in specs
   }
-  accumulator = _logical(table_specs, variables, "accumulator")["c"]
+  n = mesh.size * S
+  accumulator = _logical(table_specs, variables, "accumulator", n)["c"]
   new = backward(grads, buffers, variables)
-  after = _logical(table_specs, new)
+  after = _logical(table_specs, new, shards=n)
   for name, f in specs.items():
     table = f.table_spec.name
     row_grad = np.zeros_like(before[table], np.float64)
@@ -155,7 +183,7 @@ def test_upstream_device_step_equals_numpy():
     if table == "c":
       acc = accumulator.astype(np.float64) + row_grad**2
       want = before[table] - LR * row_grad / np.sqrt(acc)
-      new_acc = _logical(table_specs, new, "accumulator")["c"]
+      new_acc = _logical(table_specs, new, "accumulator", n)["c"]
       np.testing.assert_allclose(new_acc[touched], acc[touched], rtol=1e-5)
     else:
       want = before[table] - LR * row_grad

@@ -322,8 +322,8 @@ def test_bad_trees_and_options_raise():
       {"g": GOOD[0]}, {"f": GOOD[1]}, {"f": GOOD[2]}, example_specs(), 2, 2,
       num_sc_per_device=1,
     )  # fmt: skip
-  with pytest.raises(ValueError, match="enable_minibatching"):
-    call_coo(*GOOD, enable_minibatching=True)
+  minibatched = call_coo(*GOOD, enable_minibatching=True)
+  assert minibatched[0].num_minibatches.tolist() == [1, 1]
   with pytest.raises(ValueError, match="sharding_strategy"):
     call_coo(*GOOD, sharding_strategy="DIV")
   assert_bytes_equal(call_coo(*GOOD), expected_good())

@@ -638,8 +638,16 @@ def _check_inputs(config: EmbedConfig, inputs: Any) -> None:
       f"SparseCoreEmbed {config.name!r} takes the PreprocessedInput "
       f"from its preprocess(), got {type(inputs).__name__}"
     )
+  if inputs.num_minibatches is not None:
+    raise ValueError(
+      f"SparseCoreEmbed {config.name!r}: minibatched buffers "
+      "(enable_minibatching) go to the compat device functions; the layer "
+      "takes its preprocess()'s"
+    )
   expected = _input_shapes(config)
   for field in dataclasses.fields(PreprocessedInput):
+    if field.name == "num_minibatches":
+      continue
     want, got = getattr(expected, field.name), getattr(inputs, field.name)
     if set(got) != set(want):
       raise ValueError(

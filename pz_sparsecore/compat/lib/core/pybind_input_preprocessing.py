@@ -18,6 +18,7 @@ from pz_sparsecore.compat.lib.nn.embedding import (
 )
 
 __all__ = [
+  "MinibatchingNode",
   "ShardingStrategy",
   "compute_coo_buffer_size_per_device",
   "compute_row_pointers_size_per_device",
@@ -40,9 +41,31 @@ def _as_tuple(result: tuple[Any, Any]) -> tuple[Any, ...]:
     inputs.lhs_embedding_ids,
     inputs.lhs_sample_ids,
     inputs.lhs_gains,
-    1,
+    1
+    if inputs.num_minibatches is None
+    else int(inputs.num_minibatches.flat[0]),
     stats,
   )
+
+
+class MinibatchingNode:
+  """Upstream's minibatching peer: here, processes agree through JAX's
+  collectives (`jax.distributed`), so the addresses and port are unused."""
+
+  def __init__(
+    self,
+    task_id: int,
+    num_tasks: int,
+    server_addresses: Any = (),
+    port: int = 0,
+  ) -> None:
+    if not 0 <= task_id < num_tasks:
+      raise ValueError(f"task_id {task_id} is not in [0, {num_tasks})")
+    self.task_id, self.num_tasks = task_id, num_tasks
+
+  def get_all_reduce_interface(self) -> Any:
+    """The `minibatching.AllReduce` to pass as `all_reduce_interface`."""
+    return embedding.get_all_reduce_interface()
 
 
 def preprocess_sparse_dense_matmul_input(

@@ -14,7 +14,14 @@ from typing import Any, NamedTuple, TypeVar, Union
 import jax
 import numpy as np
 
-from pz_sparsecore import buffer_format, fdo, layout, parallel, sparse_coo
+from pz_sparsecore import (
+  buffer_format,
+  fdo,
+  layout,
+  minibatching,
+  parallel,
+  sparse_coo,
+)
 from pz_sparsecore import plan as plan_lib
 from pz_sparsecore import preprocess as pz_preprocess
 from pz_sparsecore.compat.lib.nn import embedding_spec, table_stacking
@@ -191,11 +198,11 @@ def compute_coo_buffer_size_per_device(
   enable_minibatching: bool = False,
 ) -> dict[str, int]:
   """Stack name -> COO buffer length per device."""
-  del enable_minibatching
   return pz_preprocess.compute_coo_buffer_size_per_device(
     embedding_spec.to_pz(feature_specs),
     global_device_count,
     _num_sc(num_sc_per_device),
+    minibatches=_minibatches(enable_minibatching),
   )
 
 
@@ -226,11 +233,10 @@ def preprocess_sparse_dense_matmul_input(
   enable_minibatching: bool = False,
   all_reduce_interface: Any = None,
 ) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
-  """Preprocesses a batch: pz_sparsecore's preprocessing on these specs."""
-  del all_reduce_interface
-  strategy = sparse_coo.check_upstream_options(
-    enable_minibatching, sharding_strategy
-  )
+  """Preprocesses a batch: pz_sparsecore's preprocessing on these specs
+  (minibatched with `enable_minibatching`, agreeing on the split through
+  `all_reduce_interface`, e.g. `get_all_reduce_interface()`'s)."""
+  strategy = sparse_coo.strategy_name(sharding_strategy)
   return pz_preprocess.preprocess_sparse_dense_matmul_input(
     features,
     features_weights,
@@ -242,7 +248,22 @@ def preprocess_sparse_dense_matmul_input(
     has_leading_dimension=has_leading_dimension,
     allow_id_dropping=allow_id_dropping,
     batch_number=batch_number,
+    enable_minibatching=enable_minibatching,
+    all_reduce=all_reduce_interface,
   )
+
+
+def get_all_reduce_interface(
+  peer_addresses: Any = (),
+  minibatching_port: int = 0,
+  host_id: int | None = None,
+  host_count: int | None = None,
+) -> minibatching.AllReduce:
+  """How processes agree on the minibatching split: JAX's collectives over
+  every process of `jax.distributed` (upstream's gRPC addresses and port
+  are not needed and ignored)."""
+  del peer_addresses, minibatching_port, host_id, host_count
+  return minibatching.JaxAllReduce()
 
 
 def preprocess_sparse_dense_matmul_input_from_sparse_tensor(
@@ -407,12 +428,20 @@ def _device_call(
   preprocessed_inputs: Any,
   embedding_variables: Mapping[str, Any],
   feature_specs: Any,
-  settings: tuple[int | None, int | None, Any],
+  settings: tuple[int | None, int | None, Any, bool],
 ) -> tuple[Any, Any, PreprocessedInput, dict[str, Any]]:
   """The plan, the `shard_map`'s topology, the buffers and the tables of a
   device call; `settings` are `(global_device_count, num_sc_per_device,
-  sharding_strategy)`."""
-  global_device_count, num_sc_per_device, sharding_strategy = settings
+  sharding_strategy, enable_minibatching)`."""
+  global_device_count, num_sc_per_device, sharding_strategy, minibatched = (
+    settings
+  )
+  count = getattr(preprocessed_inputs, "num_minibatches", None)
+  if minibatched and count is None:
+    raise ValueError(
+      "enable_minibatching=True, but the preprocessed inputs have no "
+      "num_minibatches: preprocess them with enable_minibatching=True"
+    )
   sharding_strategy_to_enum(sharding_strategy)
   _check_feature_names(feature_specs)
   topo = parallel.shard_map_topology(_num_sc(num_sc_per_device))
@@ -433,6 +462,7 @@ def _device_call(
     lhs_embedding_ids=dict(preprocessed_inputs.lhs_embedding_ids),
     lhs_sample_ids=dict(preprocessed_inputs.lhs_sample_ids),
     lhs_gains=dict(preprocessed_inputs.lhs_gains),
+    num_minibatches=count if minibatched else None,
   )
   tables = {name: v[0] for name, v in embedding_variables.items()}
   return plan, topo, inputs, tables
@@ -461,7 +491,9 @@ def tpu_sparse_dense_matmul(
   Runs pz_sparsecore's lookup of every stack (`parallel.local_lookup`: the
   FFI kernel and the exchange over the `shard_map`'s axis) on the device's
   buffers and table shards (`[S * V_shard, D]`, as `init_embedding_variables`
-  lays them out).
+  lays them out). With `enable_minibatching`, the inputs are minibatched
+  (`minibatching`) and the lookup runs once per minibatch
+  (`minibatching.local_lookup`).
 
   Returns:
     The activations, structured like `feature_specs`: `[S * n_f, dim_f]` per
@@ -469,21 +501,25 @@ def tpu_sparse_dense_matmul(
 
   Raises:
     ValueError: Outside `shard_map`, on a device count that is not the
-      `shard_map`'s, with `enable_minibatching` or without
-      `perform_unstacking` (not supported).
+      `shard_map`'s, without `perform_unstacking` (not supported), or with
+      `enable_minibatching` on inputs that are not minibatched.
   """
   del use_activation_unstack_primitive
   if not perform_unstacking:
     raise ValueError("perform_unstacking=False is not supported")
-  strategy = sparse_coo.check_upstream_options(
-    enable_minibatching, sharding_strategy
+  strategy = sparse_coo.strategy_name(sharding_strategy)
+  settings = (
+    global_device_count,
+    num_sc_per_device,
+    strategy,
+    enable_minibatching,
   )
-  settings = (global_device_count, num_sc_per_device, strategy)
   plan, topo, inputs, tables = _device_call(
     preprocessed_inputs, embedding_variables, feature_specs, settings
   )
+  lookup = minibatching if enable_minibatching else parallel
   return _by_feature(
-    feature_specs, parallel.local_lookup(plan, topo, tables, inputs)
+    feature_specs, lookup.local_lookup(plan, topo, tables, inputs)
   )
 
 
@@ -522,10 +558,13 @@ def tpu_sparse_dense_matmul_grad(
     raise ValueError(
       "perform_stacking=False and embedding_var_limits are not supported"
     )
-  strategy = sparse_coo.check_upstream_options(
-    enable_minibatching, sharding_strategy
+  strategy = sparse_coo.strategy_name(sharding_strategy)
+  settings = (
+    global_device_count,
+    num_sc_per_device,
+    strategy,
+    enable_minibatching,
   )
-  settings = (global_device_count, num_sc_per_device, strategy)
   plan, topo, inputs, tables = _device_call(
     preprocessed_inputs, embedding_variables, feature_specs, settings
   )
@@ -539,9 +578,8 @@ def tpu_sparse_dense_matmul_grad(
   }
   slots = {name: tuple(v[1]) for name, v in embedding_variables.items()}
   hyper = parallel.hyperparameters(plan, 0 if step is None else step)
-  updated = parallel.local_update(
-    plan, topo, tables, slots, inputs, grads, hyper
-  )
+  update = minibatching if enable_minibatching else parallel
+  updated = update.local_update(plan, topo, tables, slots, inputs, grads, hyper)
   return {
     name: EmbeddingVariables(
       table=table, slot=type(embedding_variables[name][1])(*new_slots)
