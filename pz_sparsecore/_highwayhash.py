@@ -29,6 +29,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from pz_sparsecore import buffer_format
+
 # The four uint64 lanes of one state vector or packet.
 Lanes = tuple[np.uint64, np.uint64, np.uint64, np.uint64]
 # (v0, v1, mul0, mul1).
@@ -69,7 +71,7 @@ BUCKET_KEY = np.array(
   ],
   dtype=np.uint64,
 )
-NUM_BUCKETS = 64
+NUM_BUCKETS = buffer_format.MAX_MINIBATCHES
 _BUCKET_MASK = np.uint64(NUM_BUCKETS - 1)
 
 
@@ -322,13 +324,23 @@ def hash64_int32(value: int, key: np.ndarray) -> np.uint64:
 
 
 @_jit
-def bucket_ids(col_ids: np.ndarray) -> np.ndarray:
-  """The minibatching bucket of every int32 column id of a 1-D array.
+def bucket_seed() -> State:
+  """The hash state `bucket_of` starts from (keyed with `BUCKET_KEY`)."""
+  return _reset(BUCKET_KEY)
 
-  `hash64_int32(col_id, BUCKET_KEY) & 63`, as int32 in `[0, NUM_BUCKETS)`.
-  """
-  seed = _reset(BUCKET_KEY)
+
+@_inline
+def bucket_of(seed: State, col_id: int) -> np.int32:
+  """The minibatching bucket of int32 `col_id`, from `bucket_seed()`:
+  `hash64_int32(col_id, BUCKET_KEY) & 63`, in `[0, NUM_BUCKETS)`."""
+  return np.int32(_hash_int32_from(seed, col_id) & _BUCKET_MASK)
+
+
+@_jit
+def bucket_ids(col_ids: np.ndarray) -> np.ndarray:
+  """`bucket_of` every int32 column id of a 1-D array (int32)."""
+  seed = bucket_seed()
   out = np.empty(col_ids.shape[0], dtype=np.int32)
   for i in range(col_ids.shape[0]):
-    out[i] = np.int32(_hash_int32_from(seed, col_ids[i]) & _BUCKET_MASK)
+    out[i] = bucket_of(seed, col_ids[i])
   return out

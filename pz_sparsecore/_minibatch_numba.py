@@ -29,7 +29,7 @@ import numpy as np
 
 from pz_sparsecore import _highwayhash, buffer_format
 
-NUM_BUCKETS = _highwayhash.NUM_BUCKETS
+NUM_BUCKETS = buffer_format.MAX_MINIBATCHES
 _njit = numba.njit(cache=True, nogil=True)
 _round_up = numba.njit(cache=True, inline="always")(buffer_format.round_up)
 
@@ -109,6 +109,7 @@ def _partition_range(first, rp_start, p):
 @_njit
 def _count_item(w, first, num_shards, use_buckets, max_ids, max_unique, out):
   base, rp = first.coo_start[w], first.rp_start[w]
+  seed = _highwayhash.bucket_seed()
   ids = np.zeros(NUM_BUCKETS, np.int32)
   split = np.int64(0)
   for p in range(num_shards):
@@ -121,11 +122,7 @@ def _count_item(w, first, num_shards, use_buckets, max_ids, max_unique, out):
       row = np.int64(first.embedding_ids[base + j])
       b = 0
       if use_buckets:
-        col = np.int32(row * num_shards + p)
-        b = np.int32(
-          _highwayhash.hash64_int32(col, _highwayhash.BUCKET_KEY)
-          & np.uint64(NUM_BUCKETS - 1)
-        )
+        b = _highwayhash.bucket_of(seed, np.int32(row * num_shards + p))
       bucket[j - start] = b
       ids[b] += 1
       if row != prev_row:

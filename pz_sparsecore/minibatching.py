@@ -45,16 +45,20 @@ needs none.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from typing import Any, Protocol
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
-from pz_sparsecore import _minibatch_numba, buffer_format
+from pz_sparsecore import _minibatch_numba, buffer_format, parallel
 from pz_sparsecore import plan as plan_lib
 from pz_sparsecore import preprocess as pz_preprocess
 
-NUM_BUCKETS = _minibatch_numba.NUM_BUCKETS
-assert NUM_BUCKETS == buffer_format.MAX_MINIBATCHES
+NUM_BUCKETS = buffer_format.MAX_MINIBATCHES
 
 
 class AllReduce(Protocol):
@@ -69,9 +73,6 @@ class JaxAllReduce:
   collectives (each process must call it the same number of times)."""
 
   def __call__(self, value: int) -> int:
-    import jax
-    from jax.experimental import multihost_utils
-
     if jax.process_count() == 1:
       return int(value)
     words = np.array([value & 0xFFFFFFFF, value >> 32], np.uint32)
@@ -89,18 +90,14 @@ def groups(split: int) -> list[int]:
   leaves' parents first) separates buckets `i * size + size / 2 - 1` and
   the next.
   """
-  bounds = [0]
-  bit = 0
-  cuts = set()
-  size = 2
+  cuts, bit, size = [], 0, 2
   while size <= NUM_BUCKETS:
     for i in range(NUM_BUCKETS // size):
       if split >> bit & 1:
-        cuts.add(i * size + size // 2)
+        cuts.append(i * size + size // 2)
       bit += 1
     size *= 2
-  bounds += sorted(cuts)
-  return bounds + [NUM_BUCKETS]
+  return [0, *sorted(cuts), NUM_BUCKETS]
 
 
 def preprocess(
@@ -137,7 +134,7 @@ def preprocess(
   split = 0
   if required:
     split = reduce(int(np.bitwise_or.reduce(buckets.split, initial=0)))
-    _check_buckets(plan, call, buckets, limits, allow_id_dropping)
+    _check_buckets(plan, buckets, limits, allow_id_dropping)
   bounds = groups(split)
   out, layout = _write(call, first, buckets, limits, bounds, allow_id_dropping)
   dropped = out.dropped + out.overflowed
@@ -150,8 +147,6 @@ def preprocess(
 
 def _warn_overflow(plan: plan_lib.Plan, overflowed: np.ndarray) -> None:
   """Warns for every stack whose buffer had no room for some entries."""
-  import warnings
-
   for t, stack in enumerate(plan.stacks):
     if overflowed[t].any():
       warnings.warn(
@@ -169,8 +164,6 @@ def _all_reduce(
   """The all-reduce to use; refuses a partial batch with no way to agree."""
   if all_reduce is not None:
     return all_reduce
-  import jax
-
   if num_local < plan.num_devices and jax.process_count() == 1:
     raise ValueError(
       f"enable_minibatching with {num_local} of {plan.num_devices} devices "
@@ -233,7 +226,6 @@ def _count(
 
 def _check_buckets(
   plan: plan_lib.Plan,
-  call: Any,
   buckets: _minibatch_numba.Buckets,
   limits: np.ndarray,
   allow_id_dropping: bool,
@@ -333,6 +325,7 @@ def _wrap(
 # The device side: per device, inside `shard_map`.
 
 
+@functools.lru_cache(maxsize=64)
 def minibatch_plan(plan: plan_lib.Plan) -> plan_lib.Plan:
   """`plan` with every stack's SparseCore segment `r8(max_ids) * N`: one
   minibatch's segment always fits (each partition keeps the limit)."""
@@ -358,9 +351,6 @@ def minibatch_plan(plan: plan_lib.Plan) -> plan_lib.Plan:
 
 def _segment(buffers, k, per_sc, rpp):
   """Segment `k`'s buffers re-based at its start (traced)."""
-  import jax
-  import jax.numpy as jnp
-
   rp, ids, sids, gains = buffers
   ends = jax.lax.dynamic_slice(rp, (k * rpp,), (rpp,))
   previous = rp[jnp.maximum(k * rpp - 1, 0)]
@@ -384,97 +374,66 @@ def minibatch_inputs(
   """One device's minibatch `m` (traced) of minibatched `inputs`, in the
   buffer format of `minibatch_plan(plan)` (per SparseCore, partitions
   relative to its segment)."""
-  import jax.numpy as jnp
-
-  count = jnp.reshape(inputs.num_minibatches, (-1,))[0]
+  count = _num_minibatches(inputs)
   rpp = buffer_format.row_pointers_per_sc(plan.num_shards)
-  fields: dict[str, dict[str, Any]] = {
-    "rp": {},
-    "ids": {},
-    "sids": {},
-    "gains": {},
-  }
+  fields = (
+    "lhs_row_pointers",
+    "lhs_embedding_ids",
+    "lhs_sample_ids",
+    "lhs_gains",
+  )
+  out: dict[str, dict[str, Any]] = {field: {} for field in fields}
   for stack in minibatch_plan(plan).stacks:
-    buffers = tuple(
-      jnp.reshape(x[stack.name], (-1,))
-      for x in (
-        inputs.lhs_row_pointers,
-        inputs.lhs_embedding_ids,
-        inputs.lhs_sample_ids,
-        inputs.lhs_gains,
-      )
-    )
+    buffers = [jnp.reshape(getattr(inputs, f)[stack.name], -1) for f in fields]
     segments = [
       _segment(buffers, s * count + m, stack.coo_per_sc, rpp)
       for s in range(plan.num_sc_per_device)
     ]
-    for i, key in enumerate(fields):
-      fields[key][stack.name] = jnp.concatenate([seg[i] for seg in segments])
-  return pz_preprocess.PreprocessedInput(
-    lhs_row_pointers=fields["rp"],
-    lhs_embedding_ids=fields["ids"],
-    lhs_sample_ids=fields["sids"],
-    lhs_gains=fields["gains"],
-  )
+    for i, field in enumerate(fields):
+      out[field][stack.name] = jnp.concatenate([seg[i] for seg in segments])
+  return pz_preprocess.PreprocessedInput(**out)
+
+
+def _num_minibatches(inputs: pz_preprocess.PreprocessedInput) -> jax.Array:
+  """The device's number of minibatches (traced)."""
+  return jnp.reshape(inputs.num_minibatches, (-1,))[0]
 
 
 def local_lookup(plan, topo, tables, inputs) -> dict[str, Any]:
   """`parallel.local_lookup` of minibatched `inputs`: the minibatches'
   activations, summed (a sample's ids may lie in several)."""
-  import jax
-  import jax.numpy as jnp
-
-  from pz_sparsecore import parallel
-
   small = minibatch_plan(plan)
 
-  def body(m, acts):
-    part = parallel.local_lookup(
+  def lookup(m):
+    return parallel.local_lookup(
       small, topo, tables, minibatch_inputs(plan, inputs, m)
     )
+
+  def body(m, acts):
+    part = lookup(m)
     return {name: acts[name] + part[name] for name in acts}
 
-  shapes = jax.eval_shape(
-    lambda: parallel.local_lookup(
-      small, topo, tables, minibatch_inputs(plan, inputs, 0)
-    )
-  )
-  zeros = {name: jnp.zeros(x.shape, x.dtype) for name, x in shapes.items()}
-  count = jnp.reshape(inputs.num_minibatches, (-1,))[0]
-  return jax.lax.fori_loop(0, count, body, zeros)
+  # There is always a minibatch 0; the rest add to it.
+  return jax.lax.fori_loop(1, _num_minibatches(inputs), body, lookup(0))
 
 
 def local_update(plan, topo, tables, slots, inputs, grads, hyper):
   """`parallel.local_update` of minibatched `inputs`, minibatch after
   minibatch: a row lies in one minibatch, so it is updated once, with all
   its gradient."""
-  import jax
-  import jax.numpy as jnp
-
-  from pz_sparsecore import parallel
-
   small = minibatch_plan(plan)
 
   def body(m, state):
-    tables, slots = state
     updated = parallel.local_update(
-      small,
-      topo,
-      tables,
-      slots,
-      minibatch_inputs(plan, inputs, m),
-      grads,
-      hyper,
+      small, topo, *state, minibatch_inputs(plan, inputs, m), grads, hyper
     )
     return (
       {name: u[0] for name, u in updated.items()},
       {name: tuple(u[1]) for name, u in updated.items()},
     )
 
-  count = jnp.reshape(inputs.num_minibatches, (-1,))[0]
-  tables, slots = jax.lax.fori_loop(
-    0, count, body, (dict(tables), {k: tuple(v) for k, v in slots.items()})
-  )
+  state = (dict(tables), {k: tuple(v) for k, v in slots.items()})
+  tables, slots = jax.lax.fori_loop(0, _num_minibatches(inputs), body, state)
   return {name: (tables[name], slots[name]) for name in tables}
 
 

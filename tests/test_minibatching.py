@@ -61,11 +61,22 @@ def _run(specs, ids, g, s, **kwargs):
   )
 
 
-def _decode(rp, coo, s, m, n):
-  """Entries of `(sc, minibatch, partition)`: (row, sample, gain) lists,
-  checking the chain of segments and the alignment of every partition."""
+def _device(buffers, d):
+  """Device `d`'s row pointers and (ids, samples, gains) of stack 't'
+  (flat buffers are one device's)."""
+  coo = (buffers.lhs_embedding_ids, buffers.lhs_sample_ids, buffers.lhs_gains)
+  return np.atleast_2d(buffers.lhs_row_pointers["t"])[d], [
+    np.atleast_2d(x["t"])[d] for x in coo
+  ]
+
+
+def _decode(buffers, d, s, n):
+  """Device `d`'s entries of `(sc, minibatch, partition)`: (row, sample,
+  gain) lists, checking the chain of segments and the alignment of every
+  partition."""
+  m = int(np.reshape(buffers.num_minibatches, -1)[d])
   rpp = buffer_format.row_pointers_per_sc(n)
-  ids, sids, gains = coo
+  rp, (ids, sids, gains) = _device(buffers, d)
   out, start = {}, 0
   for k in range(s * m):
     ends = rp[k * rpp : (k + 1) * rpp]
@@ -87,9 +98,11 @@ def _decode(rp, coo, s, m, n):
   return out
 
 
-def _unsplit(rp, coo, s, n, per_sc):
-  """Entries of `(sc, partition)` of standard buffers."""
+def _unsplit(buffers, d, s, n):
+  """Device `d`'s entries of `(sc, partition)` of standard buffers."""
   rpp = buffer_format.row_pointers_per_sc(n)
+  rp, coo = _device(buffers, d)
+  per_sc = len(coo[0]) // s
   out = {}
   for sc in range(s):
     ends = rp[sc * rpp : sc * rpp + n]
@@ -130,7 +143,7 @@ def test_minibatches_split_the_batch_as_upstream(g, s, limit, unique):
   ids = _batch(rng, batch)
   n = g * s
   big = _specs(10_000, 10_000, g, s, batch)
-  want, _ = _run(big, ids, g, s, has_leading_dimension=True)
+  want, want_stats = _run(big, ids, g, s, has_leading_dimension=True)
   got, stats = _run(
     _specs(limit, unique, g, s, batch),
     ids,
@@ -139,27 +152,15 @@ def test_minibatches_split_the_batch_as_upstream(g, s, limit, unique):
     has_leading_dimension=True,
     enable_minibatching=True,
   )
-  _, want_stats = _run(big, ids, g, s, has_leading_dimension=True)
   for field in ("max_ids_per_partition", "max_unique_ids_per_partition"):
     np.testing.assert_array_equal(
       getattr(stats, field)["t"], getattr(want_stats, field)["t"]
     )
   m = int(got.num_minibatches[0, 0])
   assert got.num_minibatches.shape == (g, 1)
-  split = 0
-  parts = {}
+  split, whole, parts = 0, {}, {}
   for d in range(g):
-    whole = _unsplit(
-      want.lhs_row_pointers["t"][d],
-      [
-        x["t"][d]
-        for x in (want.lhs_embedding_ids, want.lhs_sample_ids, want.lhs_gains)
-      ],
-      s,
-      n,
-      want.lhs_embedding_ids["t"].shape[1] // s,
-    )
-    for (sc, p), entries in whole.items():
+    for (sc, p), entries in _unsplit(want, d, s, n).items():
       buckets = [_bucket(int(r), p, n) for r, _, _ in entries]
       ids_per = np.bincount(buckets, minlength=64)
       uniq = np.zeros(64, int)
@@ -167,21 +168,10 @@ def test_minibatches_split_the_batch_as_upstream(g, s, limit, unique):
       for b, _ in pairs:
         uniq[b] += 1
       split |= _tree_split(ids_per, limit) | _tree_split(uniq, unique)
-      parts[d, sc, p] = entries
-    parts[d] = _decode(
-      got.lhs_row_pointers["t"][d],
-      [
-        x["t"][d]
-        for x in (got.lhs_embedding_ids, got.lhs_sample_ids, got.lhs_gains)
-      ],
-      s,
-      m,
-      n,
-    )
+      whole[d, sc, p] = entries
+    parts[d] = _decode(got, d, s, n)
   needed = any(
-    len(e) > limit or len({r for r, _, _ in e}) > unique
-    for key, e in parts.items()
-    if isinstance(key, tuple)
+    len(e) > limit or len({r for r, _, _ in e}) > unique for e in whole.values()
   )
   bounds = minibatching.groups(split if needed else 0)
   assert m == len(bounds) - 1
@@ -202,7 +192,7 @@ def test_minibatches_split_the_batch_as_upstream(g, s, limit, unique):
           for r, _, _ in entries:
             assert minibatch_of_row.setdefault((p, int(r)), mb) == mb
           merged += entries
-        assert sorted(merged) == sorted(parts[d, sc, p])
+        assert sorted(merged) == sorted(whole[d, sc, p])
 
 
 def test_groups_follow_the_split_bits():
@@ -233,27 +223,8 @@ def test_batch_within_the_limits_is_one_minibatch_of_the_unsplit_entries():
     == 64 * (want.lhs_embedding_ids["t"].shape[1])
   )
   for d in range(g):
-    whole = _unsplit(
-      want.lhs_row_pointers["t"][d],
-      [
-        x["t"][d]
-        for x in (want.lhs_embedding_ids, want.lhs_sample_ids, want.lhs_gains)
-      ],
-      s,
-      n,
-      want.lhs_embedding_ids["t"].shape[1] // s,
-    )
-    split = _decode(
-      got.lhs_row_pointers["t"][d],
-      [
-        x["t"][d]
-        for x in (got.lhs_embedding_ids, got.lhs_sample_ids, got.lhs_gains)
-      ],
-      s,
-      1,
-      n,
-    )
-    for (sc, p), entries in whole.items():
+    split = _decode(got, d, s, n)
+    for (sc, p), entries in _unsplit(want, d, s, n).items():
       assert split[sc, 0, p] == entries
 
 
@@ -270,13 +241,7 @@ def test_bucket_over_a_limit_raises_then_drops_when_allowed():
   assert int(stats.max_ids_per_partition["t"][0]) == 8
   # The full bucket splits every node from its leaf pair to the root.
   assert got.num_minibatches.tolist() == [7]
-  entries = _decode(
-    got.lhs_row_pointers["t"],
-    [got.lhs_embedding_ids["t"], got.lhs_sample_ids["t"], got.lhs_gains["t"]],
-    s,
-    int(got.num_minibatches[0]),
-    1,
-  )
+  entries = _decode(got, 0, s, 1)
   assert sum(len(e) for e in entries.values()) == 4
 
 

@@ -428,21 +428,21 @@ def _device_call(
   preprocessed_inputs: Any,
   embedding_variables: Mapping[str, Any],
   feature_specs: Any,
-  settings: tuple[int | None, int | None, Any, bool],
+  *,
+  global_device_count: int | None,
+  num_sc_per_device: int | None,
+  sharding_strategy: Any,
+  minibatched: bool,
 ) -> tuple[Any, Any, PreprocessedInput, dict[str, Any]]:
   """The plan, the `shard_map`'s topology, the buffers and the tables of a
-  device call; `settings` are `(global_device_count, num_sc_per_device,
-  sharding_strategy, enable_minibatching)`."""
-  global_device_count, num_sc_per_device, sharding_strategy, minibatched = (
-    settings
-  )
+  device call."""
   count = getattr(preprocessed_inputs, "num_minibatches", None)
   if minibatched and count is None:
     raise ValueError(
       "enable_minibatching=True, but the preprocessed inputs have no "
       "num_minibatches: preprocess them with enable_minibatching=True"
     )
-  sharding_strategy_to_enum(sharding_strategy)
+  sharding_strategy_to_enum(sparse_coo.strategy_name(sharding_strategy))
   _check_feature_names(feature_specs)
   topo = parallel.shard_map_topology(_num_sc(num_sc_per_device))
   if global_device_count is not None and (
@@ -507,15 +507,14 @@ def tpu_sparse_dense_matmul(
   del use_activation_unstack_primitive
   if not perform_unstacking:
     raise ValueError("perform_unstacking=False is not supported")
-  strategy = sparse_coo.strategy_name(sharding_strategy)
-  settings = (
-    global_device_count,
-    num_sc_per_device,
-    strategy,
-    enable_minibatching,
-  )
   plan, topo, inputs, tables = _device_call(
-    preprocessed_inputs, embedding_variables, feature_specs, settings
+    preprocessed_inputs,
+    embedding_variables,
+    feature_specs,
+    global_device_count=global_device_count,
+    num_sc_per_device=num_sc_per_device,
+    sharding_strategy=sharding_strategy,
+    minibatched=enable_minibatching,
   )
   lookup = minibatching if enable_minibatching else parallel
   return _by_feature(
@@ -558,15 +557,14 @@ def tpu_sparse_dense_matmul_grad(
     raise ValueError(
       "perform_stacking=False and embedding_var_limits are not supported"
     )
-  strategy = sparse_coo.strategy_name(sharding_strategy)
-  settings = (
-    global_device_count,
-    num_sc_per_device,
-    strategy,
-    enable_minibatching,
-  )
   plan, topo, inputs, tables = _device_call(
-    preprocessed_inputs, embedding_variables, feature_specs, settings
+    preprocessed_inputs,
+    embedding_variables,
+    feature_specs,
+    global_device_count=global_device_count,
+    num_sc_per_device=num_sc_per_device,
+    sharding_strategy=sharding_strategy,
+    minibatched=enable_minibatching,
   )
   grads = {
     f.name: g
