@@ -46,27 +46,31 @@ DRAWN = """(() => {
 })()"""
 
 
-# Each output and array gets 30 s: on 2 busy cores (the suite runs beside
-# the docs test) Treescope has taken over 10 s to draw an array.
+# Each output and array gets 60 s: on 2 busy cores (the suite runs beside
+# the docs test) Treescope has taken over 10 s to draw an array. While
+# waiting, the element is scrolled into view again every 2 s: Treescope
+# draws an output when it becomes visible, and a visibility change that
+# came while the page was still laying out would otherwise not come again.
 DRAW_ALL = """(async () => {
   const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
-  const until = async (test) => {
-    for (let i = 0; i < 600 && !test(); i++) await sleep(50);
+  const until = async (element, test) => {
+    for (let i = 0; i < 1200 && !test(); i++) {
+      if (i % 40 === 0) element.scrollIntoView();
+      await sleep(50);
+    }
     return test();
   };
   const undrawn = [];
   const hosts = [...document.querySelectorAll("treescope-container")];
   for (const [i, host] of hosts.entries()) {
-    host.scrollIntoView();
-    const root = host.shadowRoot;
-    const drawn = await until(() => root && root.childElementCount > 0 &&
-      !root.textContent.includes("(Loading...)"));
+    const drawn = await until(host, () => host.shadowRoot &&
+      host.shadowRoot.childElementCount > 0 &&
+      !host.shadowRoot.textContent.includes("(Loading...)"));
     if (!drawn) { undrawn.push(`output ${i}`); continue; }
-    const arrays = [...root.querySelectorAll(".arrayviz_container")]
+    const arrays = [...host.shadowRoot.querySelectorAll(".arrayviz_container")]
       .filter((a) => a.checkVisibility());
     for (const a of arrays) {
-      a.scrollIntoView();
-      const ok = await until(() => a.querySelector("canvas") &&
+      const ok = await until(a, () => a.querySelector("canvas") &&
         !a.textContent.includes("Rendering array"));
       if (!ok) undrawn.push(`array of output ${i}`);
     }
@@ -120,7 +124,7 @@ def devtools(chromium: str, profile, width: int, height: int):
       pages = [t for t in json.load(r) if t["type"] == "page"]
     # One DRAW_ALL evaluation may wait on several slow arrays.
     ws = websocket.create_connection(
-      pages[0]["webSocketDebuggerUrl"], timeout=300
+      pages[0]["webSocketDebuggerUrl"], timeout=600
     )
     ids = iter(range(1, 10**6))
 
