@@ -47,15 +47,27 @@ DRAWN = """(() => {
 
 
 # Each output and array gets 60 s: on 2 busy cores (the suite runs beside
-# the docs test) Treescope has taken over 10 s to draw an array. While
-# waiting, the element is scrolled into view again every 2 s: Treescope
-# draws an output when it becomes visible, and a visibility change that
-# came while the page was still laying out would otherwise not come again.
+# the docs test) Treescope has taken over 10 s to draw an array. Treescope
+# draws an element when an IntersectionObserver first sees it intersect the
+# viewport with a nonzero area; one that was first seen touching the
+# viewport's edge (zero area, yet "intersecting") is never reported again
+# while it stays on screen, and the window is as tall as the page. So every
+# 2 s the wait hides the element for two frames and shows it again, scrolled
+# into view, as a reader scrolling away and back would: the observer then
+# sees it leave and come back.
 DRAW_ALL = """(async () => {
   const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+  const frame = () => new Promise((resolve) => requestAnimationFrame(resolve));
   const until = async (element, test) => {
     for (let i = 0; i < 1200 && !test(); i++) {
-      if (i % 40 === 0) element.scrollIntoView();
+      if (i % 40 === 39) {
+        const display = element.style.display;
+        element.style.display = "none";
+        await frame();
+        await frame();
+        element.style.display = display;
+      }
+      if (i % 40 === 0 || i % 40 === 39) element.scrollIntoView();
       await sleep(50);
     }
     return test();

@@ -128,7 +128,7 @@ def test_notebook_page_shows_its_figures(built, name, tmp_path):
       mobile=False,
     )
     drawn = chromium.evaluate(call, chromium.DRAW_ALL)
-    assert drawn["undrawn"] == [], (name, drawn)
+    assert drawn["undrawn"] == [], (name, drawn, chromium.console_errors(call))
     if "treescope" in html:
       assert drawn["outputs"] > 0, name
     width = chromium.evaluate(
