@@ -212,6 +212,10 @@ def inputs_summary(inputs: Any) -> str:
     )
     size = sum(int(np.prod(x.shape)) for x in inputs.lhs_embedding_ids.values())
     text += f", {valid} valid entries of {size} ({valid / size:.1%})"
+  count = inputs.num_minibatches
+  if count is not None and _is_concrete(count):
+    n = int(np.max(np.asarray(count)))
+    text += f", {n} minibatch{'es' if n != 1 else ''}"
   return text
 
 

@@ -12,7 +12,9 @@ entry and names it:
 * row pointers outside `[0, entries per SparseCore]` or decreasing;
 * ids that are padding, negative, past the shard's rows, or inside another
   table's rows than the one of the feature their sample belongs to;
-* ids not sorted inside their partition;
+* ids not sorted inside their partition (in a minibatch, whose partitions
+  are ordered by bucket, then row: a row's entries not consecutive);
+* minibatch counts outside `[1, 64]` or not the same on every device;
 * sample ids outside `[0, samples per SparseCore)`;
 * gains that are NaN or infinite;
 * more entries for one owner device than its routing window holds (stacks
@@ -30,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pz_sparsecore import buffer_format
+from pz_sparsecore import buffer_format, minibatching
 from pz_sparsecore.plan import FeaturePlan, Plan, StackPlan
 from pz_sparsecore.preprocess import PreprocessedInput
 
@@ -53,6 +55,10 @@ def validate_input(
     ValueError: Naming the feature (or the stack's features), the device,
       SparseCore and partition, the buffer, the position and the value.
   """
+  counts = None
+  if inputs.num_minibatches is not None:
+    counts = dict(_device_blocks(inputs.num_minibatches, plan.num_devices))
+    _check_counts(counts)
   for stack in plan.stacks:
     blocks = zip(
       *(
@@ -66,19 +72,79 @@ def validate_input(
       ),
       strict=True,
     )
+    rows = stack.name in row_exchange_stacks
     for (device, rp), (_, ids), (_, sids), (_, gains) in blocks:
-      s = plan.num_sc_per_device
-      for sc in range(s):
+      buffers = (rp, ids, sids, gains)
+      if counts is None:
+        segments = _segments(plan, stack, device, buffers)
+      else:
+        segments = _minibatch_segments(
+          plan, stack, device, buffers, int(counts[device][0])
+        )
+      for where, segment_plan, segment in segments:
+        segment_stack = segment_plan.stack(stack.name)
         _Segment(
-          stack,
-          plan,
-          stack.name in row_exchange_stacks,
-          f"device {device}, SparseCore {sc}",
-          rp.reshape(s, -1)[sc],
-          ids.reshape(s, -1)[sc],
-          sids.reshape(s, -1)[sc],
-          gains.reshape(s, -1)[sc],
+          segment_stack,
+          segment_plan,
+          rows,
+          where,
+          *segment,
+          grouped=counts is not None,
         ).check()
+
+
+def _segments(plan: Plan, stack: StackPlan, device: int, buffers):
+  """`(where, plan, buffers)` of each SparseCore segment of a device."""
+  s = plan.num_sc_per_device
+  for sc in range(s):
+    where = f"device {device}, SparseCore {sc}"
+    yield where, plan, tuple(b.reshape(s, -1)[sc] for b in buffers)
+
+
+def _check_counts(counts: dict[int, np.ndarray]) -> None:
+  """Every device's minibatch count is in `[1, 64]`, and all are equal."""
+  values = {device: int(c[0]) for device, c in counts.items()}
+  for device, value in values.items():
+    if not 1 <= value <= minibatching.NUM_BUCKETS:
+      raise ValueError(
+        f"num_minibatches of device {device} is {value}, outside [1, "
+        f"{minibatching.NUM_BUCKETS}]"
+      )
+  if len(set(values.values())) > 1:
+    raise ValueError(
+      f"num_minibatches differs across devices ({values}); every device "
+      "runs the same minibatches"
+    )
+
+
+def _minibatch_segments(
+  plan: Plan, stack: StackPlan, device: int, buffers, count: int
+):
+  """`(where, plan, buffers)` of each SparseCore's minibatches of a device,
+  cut out as the device cuts them (`minibatching.minibatch_inputs`), in the
+  format of `minibatching.minibatch_plan(plan)`."""
+  rp, *coo = buffers
+  rp = rp.astype(np.int64)
+  small = minibatching.minibatch_plan(plan)
+  per_sc = small.stack(stack.name).coo_per_sc
+  rpp = buffer_format.row_pointers_per_sc(plan.num_shards)
+  fills = (buffer_format.PAD_ID, buffer_format.PAD_ID, buffer_format.PAD_GAIN)
+  for sc in range(plan.num_sc_per_device):
+    for m in range(count):
+      where = f"device {device}, SparseCore {sc}, minibatch {m}"
+      k = sc * count + m
+      start = 0 if k == 0 else int(buffer_format.round_up(rp[k * rpp - 1]))
+      if not 0 <= start <= coo[0].size:
+        raise ValueError(
+          f"stack {stack.name!r}, {where}: it starts at position {start} "
+          f"(the rounded-up row_pointers[{k * rpp - 1}]), outside the "
+          f"buffer's [0, {coo[0].size}]"
+        )
+      segment = [rp[k * rpp : (k + 1) * rpp] - start]
+      for buf, fill in zip(coo, fills, strict=True):
+        padded = np.concatenate([buf, np.full(per_sc, fill, buf.dtype)])
+        segment.append(padded[start : start + per_sc])
+      yield where, small, tuple(segment)
 
 
 def _device_blocks(value: Any, num_devices: int):
@@ -101,9 +167,17 @@ class _Segment:
   """One SparseCore's segment of one stack on one device."""
 
   def __init__(
-    self, stack: StackPlan, plan: Plan, rows: bool, where: str, *buffers
+    self,
+    stack: StackPlan,
+    plan: Plan,
+    rows: bool,
+    where: str,
+    *buffers,
+    grouped: bool = False,
   ):
     self.stack, self.plan, self.rows, self.where = stack, plan, rows, where
+    # Minibatches need a row's entries together, not sorted.
+    self.grouped = grouped
     self.rp, self.ids, self.sids, self.gains = buffers
     self.num_shards = plan.num_devices * plan.num_sc_per_device
 
@@ -185,18 +259,39 @@ class _Segment:
         p,
         f"gains[{begin + j}] = {gains[j]} is not finite",
       )
-    bad = np.flatnonzero(np.diff(ids) < 0)
-    if bad.size:
-      j = bad[0] + 1
+    if self.grouped:
+      self.check_grouped(p, begin, ids, owner)
+    else:
+      bad = np.flatnonzero(np.diff(ids) < 0)
+      if bad.size:
+        j = bad[0] + 1
+        self.fail(
+          _feature_of(self.stack, owner[j]),
+          p,
+          f"embedding_ids are not sorted in the partition: "
+          f"embedding_ids[{begin + j}] = {ids[j]} < "
+          f"embedding_ids[{begin + j - 1}] = {ids[j - 1]}",
+        )
+    if self.rows and self.plan.num_devices > 1:
+      self.check_distinct(p, ids)
+
+  def check_grouped(
+    self, p: int, begin: int, ids: np.ndarray, owner: np.ndarray
+  ) -> None:
+    """A row's entries are consecutive (a minibatch orders its partition
+    by bucket, then row): no row starts two runs."""
+    runs = np.flatnonzero(np.diff(ids, prepend=ids[:1] - 1) != 0)
+    _, first = np.unique(ids[runs], return_index=True)
+    if first.size < runs.size:
+      again = np.setdiff1d(np.arange(runs.size), first)[0]
+      j = runs[again]
       self.fail(
         _feature_of(self.stack, owner[j]),
         p,
-        f"embedding_ids are not sorted in the partition: "
-        f"embedding_ids[{begin + j}] = {ids[j]} < "
-        f"embedding_ids[{begin + j - 1}] = {ids[j - 1]}",
+        f"embedding_ids are not grouped by row in the partition: "
+        f"embedding_ids[{begin + j}] = {ids[j]} starts a second run of "
+        "that row (a row's entries must be consecutive)",
       )
-    if self.rows and self.plan.num_devices > 1:
-      self.check_distinct(p, ids)
 
   def check_distinct(self, p: int, ids: np.ndarray) -> None:
     """The partition's distinct rows fit the row exchange's window."""

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from pz_sparsecore import _minibatch_numba, buffer_format, parallel
+from pz_sparsecore import _minibatch_numba, buffer_format
 from pz_sparsecore import plan as plan_lib
 from pz_sparsecore import preprocess as pz_preprocess
 
@@ -374,7 +374,9 @@ def minibatch_inputs(
   """One device's minibatch `m` (traced) of minibatched `inputs`, in the
   buffer format of `minibatch_plan(plan)` (per SparseCore, partitions
   relative to its segment)."""
-  count = _num_minibatches(inputs)
+  count = jnp.clip(
+    jnp.reshape(inputs.num_minibatches, (-1,))[0], 1, NUM_BUCKETS
+  )
   rpp = buffer_format.row_pointers_per_sc(plan.num_shards)
   fields = (
     "lhs_row_pointers",
@@ -394,47 +396,16 @@ def minibatch_inputs(
   return pz_preprocess.PreprocessedInput(**out)
 
 
-def _num_minibatches(inputs: pz_preprocess.PreprocessedInput) -> jax.Array:
-  """The device's number of minibatches (traced)."""
-  return jnp.reshape(inputs.num_minibatches, (-1,))[0]
-
-
-def local_lookup(plan, topo, tables, inputs) -> dict[str, Any]:
-  """`parallel.local_lookup` of minibatched `inputs`: the minibatches'
-  activations, summed (a sample's ids may lie in several)."""
-  small = minibatch_plan(plan)
-
-  def lookup(m):
-    return parallel.local_lookup(
-      small, topo, tables, minibatch_inputs(plan, inputs, m)
-    )
-
-  def body(m, acts):
-    part = lookup(m)
-    return {name: acts[name] + part[name] for name in acts}
-
-  # There is always a minibatch 0; the rest add to it.
-  return jax.lax.fori_loop(1, _num_minibatches(inputs), body, lookup(0))
-
-
-def local_update(plan, topo, tables, slots, inputs, grads, hyper):
-  """`parallel.local_update` of minibatched `inputs`, minibatch after
-  minibatch: a row lies in one minibatch, so it is updated once, with all
-  its gradient."""
-  small = minibatch_plan(plan)
-
-  def body(m, state):
-    updated = parallel.local_update(
-      small, topo, *state, minibatch_inputs(plan, inputs, m), grads, hyper
-    )
-    return (
-      {name: u[0] for name, u in updated.items()},
-      {name: tuple(u[1]) for name, u in updated.items()},
-    )
-
-  state = (dict(tables), {k: tuple(v) for k, v in slots.items()})
-  tables, slots = jax.lax.fori_loop(0, _num_minibatches(inputs), body, state)
-  return {name: (tables[name], slots[name]) for name in tables}
+def num_minibatches(
+  inputs: pz_preprocess.PreprocessedInput, axis: Any
+) -> jax.Array:
+  """The number of minibatches the devices loop over (traced, inside
+  `shard_map` over `axis`): the device's count, kept in `[1, 64]` and made
+  the same on every device (the largest), so that hand-built buffers can
+  neither index past the segments nor leave one device's collectives
+  unanswered by another's."""
+  count = jnp.reshape(inputs.num_minibatches, (-1,))[0].astype(jnp.int32)
+  return jax.lax.pmax(jnp.clip(count, 1, NUM_BUCKETS), axis)
 
 
 __all__ = [
@@ -442,8 +413,7 @@ __all__ = [
   "AllReduce",
   "JaxAllReduce",
   "groups",
-  "local_lookup",
-  "local_update",
   "minibatch_inputs",
   "minibatch_plan",
+  "num_minibatches",
 ]

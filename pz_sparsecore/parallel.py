@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pz_sparsecore import buffer_format, kernels, row_exchange
+from pz_sparsecore import buffer_format, kernels, minibatching, row_exchange
 from pz_sparsecore import exchange as exchange_lib
 from pz_sparsecore.kernels import contract, reference
 from pz_sparsecore.plan import Plan, StackPlan
@@ -404,6 +404,8 @@ def local_lookup(
   `tables` hold the device's shards (`[S, V_shard, D]` or `[S * V_shard,
   D]`), `inputs` its buffers; activations are `[S * n_f, dim_f]`.
   """
+  if inputs.num_minibatches is not None:
+    return _minibatched_lookup(plan, topo, tables, inputs)
   out = {}
   for stack in plan.stacks:
     out.update(_local_lookup(stack, topo, tables[stack.name], inputs))
@@ -416,6 +418,10 @@ def local_update(
   """Per device, inside `shard_map`: stack name -> the fused update's
   `(table, slots)`, and with `guard` what undoing it needs (`apply_gradients`
   describes the arguments; `hyper` from `hyperparameters`)."""
+  if inputs.num_minibatches is not None:
+    return _minibatched_update(
+      plan, topo, tables, slots, inputs, grads, hyper, guard
+    )
   return {
     stack.name: _local_update(
       stack,
@@ -429,6 +435,104 @@ def local_update(
     )
     for stack in plan.stacks
   }
+
+
+# Minibatched buffers (`minibatching`): the same per-device functions, once
+# per minibatch, on the minibatch's segments in the buffer format of
+# `minibatching.minibatch_plan(plan)`.
+
+
+def _minibatched_lookup(plan: Plan, topo: Topology, tables, inputs):
+  """The minibatches' activations, summed (a sample's ids may lie in
+  several)."""
+  small = minibatching.minibatch_plan(plan)
+
+  def lookup(m):
+    part = minibatching.minibatch_inputs(plan, inputs, m)
+    return local_lookup(small, topo, tables, part)
+
+  def body(m, acts):
+    part = lookup(m)
+    return {name: acts[name] + part[name] for name in acts}
+
+  # There is always a minibatch 0; the rest add to it.
+  count = minibatching.num_minibatches(inputs, topo.axis)
+  return jax.lax.fori_loop(1, count, body, lookup(0))
+
+
+def _minibatched_update(
+  plan: Plan, topo: Topology, tables, slots, inputs, grads, hyper, guard
+):
+  """The fused update, minibatch after minibatch: a row lies in one
+  minibatch, so it is updated once, with all its gradient. With `guard`,
+  minibatch `m`'s guard fills row `m` of `[64, ...]` arrays (rows past the
+  table where no minibatch ran), flattened at the end."""
+  small = minibatching.minibatch_plan(plan)
+
+  def update(m, tables, slots):
+    part = minibatching.minibatch_inputs(plan, inputs, m)
+    out = local_update(small, topo, tables, slots, part, grads, hyper, guard)
+    return (
+      {k: v[0] for k, v in out.items()},
+      {k: tuple(v[1]) for k, v in out.items()},
+      {k: v[2] for k, v in out.items()} if guard else {},
+    )
+
+  def body(m, state):
+    tables, slots, guards = state
+    tables, slots, part = update(m, tables, slots)
+    return tables, slots, _put_guard(guards, part, m)
+
+  count = minibatching.num_minibatches(inputs, topo.axis)
+  first = update(0, dict(tables), {k: tuple(v) for k, v in slots.items()})
+  state = (first[0], first[1], _guard_slots(first[0], first[2]))
+  tables, slots, guards = jax.lax.fori_loop(1, count, body, state)
+  return {
+    name: (tables[name], slots[name], *_flat_guard(guards, name))
+    for name in tables
+  }
+
+
+def _guard_slots(tables, first):
+  """`[64, ...]` guard arrays holding the first minibatch's guard: rows
+  past the local table (undo skips them) and zeros elsewhere, `finite`
+  kept as a scalar."""
+  out = {}
+  for name, (rows, table_rows, slot_rows, finite) in first.items():
+    past = tables[name].shape[0] * tables[name].shape[1]
+    stacked = (
+      jnp.full((minibatching.NUM_BUCKETS, *rows.shape), past, rows.dtype),
+      *(
+        jnp.zeros((minibatching.NUM_BUCKETS, *x.shape), x.dtype)
+        for x in (table_rows, *slot_rows)
+      ),
+    )
+    out[name] = (stacked, finite)
+  return _put_guard(out, first, 0)
+
+
+def _put_guard(guards, part, m):
+  """`guards` with minibatch `m`'s guard `part` written in."""
+  out = {}
+  for name, (stacked, finite) in guards.items():
+    rows, table_rows, slot_rows, ok = part[name]
+    values = (rows, table_rows, *slot_rows)
+    stacked = tuple(
+      jax.lax.dynamic_update_index_in_dim(x, v, m, 0)
+      for x, v in zip(stacked, values, strict=True)
+    )
+    out[name] = (stacked, finite & ok)
+  return out
+
+
+def _flat_guard(guards, name) -> tuple[Any, ...]:
+  """The stack's guard in `_local_update`'s form, minibatches flattened
+  (empty without a guard)."""
+  if name not in guards:
+    return ()
+  stacked, finite = guards[name]
+  rows, table_rows, *slot_rows = (x.reshape(-1, *x.shape[2:]) for x in stacked)
+  return ((rows, table_rows, tuple(slot_rows), finite),)
 
 
 def _input_specs(topo: Topology, inputs: PreprocessedInput):

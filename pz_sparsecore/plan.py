@@ -403,3 +403,17 @@ def build(
 
 
 _cached_build = functools.lru_cache(maxsize=64)(_build)
+
+
+def minibatched(plan: Plan) -> Plan:
+  """`plan` with its COO buffers sized for minibatched preprocessing
+  (`buffer_format.MAX_MINIBATCHES` minibatches)."""
+  if plan.minibatches == buffer_format.MAX_MINIBATCHES:
+    return plan
+  return build(
+    plan.specs_tree,
+    plan.num_devices,
+    plan.num_sc_per_device,
+    for_tables=plan.for_tables,
+    minibatches=buffer_format.MAX_MINIBATCHES,
+  )

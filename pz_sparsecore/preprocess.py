@@ -294,15 +294,15 @@ def input_shapes(
     )
     return jax.ShapeDtypeStruct(shape, dtype)
 
-  rp = {
-    s.name: s.row_pointers_per_sc * plan.num_sc_per_device for s in plan.stacks
-  }
+  segments = plan.num_sc_per_device * plan.minibatches
+  rp = {s.name: s.row_pointers_per_sc * segments for s in plan.stacks}
   coo = {s.name: s.coo_per_device for s in plan.stacks}
   return PreprocessedInput(
     lhs_row_pointers={k: struct(n, np.int32) for k, n in rp.items()},
     lhs_embedding_ids={k: struct(c, np.int32) for k, c in coo.items()},
     lhs_sample_ids={k: struct(c, np.int32) for k, c in coo.items()},
     lhs_gains={k: struct(c, np.float32) for k, c in coo.items()},
+    num_minibatches=struct(1, np.int32) if plan.minibatches > 1 else None,
   )
 
 
@@ -444,16 +444,8 @@ def preprocess_for_plan(
   if enable_minibatching:
     from pz_sparsecore import minibatching
 
-    if plan.minibatches != buffer_format.MAX_MINIBATCHES:
-      plan = plan_lib.build(
-        plan.specs_tree,
-        plan.num_devices,
-        plan.num_sc_per_device,
-        for_tables=plan.for_tables,
-        minibatches=buffer_format.MAX_MINIBATCHES,
-      )
     return minibatching.preprocess(
-      plan,
+      plan_lib.minibatched(plan),
       leaves,
       int(local_device_count),
       has_leading_dimension=has_leading_dimension,

@@ -1,10 +1,12 @@
 """One process of a multi-process training run (launched by the tests).
 
 Usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR
-  [DEVICES_PER_PROCESS [EXCHANGE [MESH]]]
+  [DEVICES_PER_PROCESS [EXCHANGE [MESH [MINIBATCH]]]]
 
 MESH is "8" (one axis "device", the default) or e.g. "2x4" (axes "data"
-and "model"; the tables and the batch over both).
+and "model"; the tables and the batch over both). MINIBATCH "1" lowers the
+limits to 3 ids per partition and preprocesses with minibatching, the
+processes agreeing on the split through JAX's collectives.
 
 Every process builds the same model on a mesh over all global devices,
 preprocesses only its own share of each global batch, trains a few steps and
@@ -26,6 +28,7 @@ def main() -> None:
   per_process = int(sys.argv[5]) if len(sys.argv) > 5 else 4
   exchange = sys.argv[6] if len(sys.argv) > 6 else "auto"
   mesh_shape = sys.argv[7] if len(sys.argv) > 7 else None
+  minibatching = len(sys.argv) > 8 and sys.argv[8] == "1"
   os.environ["XLA_FLAGS"] = (
     f"--xla_force_host_platform_device_count={per_process}"
   )
@@ -86,6 +89,14 @@ def main() -> None:
     optax.adam(1e-2),
     shakespeare.loss_fn,
   )
+  if minibatching:
+    limits = {"words": np.full(8, 3, np.int32)}
+    trainer = pzsc.update_limits(
+      trainer,
+      pzsc.SparseDenseMatmulInputStats(
+        max_ids_per_partition=limits, max_unique_ids_per_partition=limits
+      ),
+    )
   fdo = pzsc.NPZFileFDOClient(os.path.join(out_dir, "fdo"), run_id="mp-test")
   rng = np.random.default_rng(0)
   local = batch // num_processes
@@ -96,8 +107,12 @@ def main() -> None:
     context = rng.integers(0, vocab, (batch, seq))
     labels = rng.integers(0, vocab, (batch,)).astype(np.int32)
     inputs, stats = trainer.model.embed.preprocess(
-      {shakespeare.FEATURE: context[rows]}, batch_number=step
+      {shakespeare.FEATURE: context[rows]},
+      batch_number=step,
+      enable_minibatching=minibatching,
     )
+    if minibatching and int(np.max(inputs.num_minibatches)) < 2:
+      raise SystemExit(f"step {step}: the batch did not split")
     fdo.record(stats)
     for field in ("max_ids_per_partition", "max_unique_ids_per_partition"):
       seen.setdefault(field, []).append(getattr(stats, field)["words"])

@@ -32,6 +32,7 @@ def _launch(
   devices: int,
   exchange: str = "activations",
   mesh: str = "8",
+  minibatching: bool = False,
 ) -> None:
   port = _free_port()
   procs = [
@@ -46,6 +47,7 @@ def _launch(
         str(devices),
         exchange,
         mesh,
+        "1" if minibatching else "0",
       ],
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
@@ -66,11 +68,13 @@ def _launch(
 
 
 # Two processes x 4 devices: the activation exchange on a one-axis mesh,
-# and the row exchange with the tables and batch over both axes of a 2 x 4
-# ("data", "model") mesh.
+# the row exchange with the tables and batch over both axes of a 2 x 4
+# ("data", "model") mesh, and minibatches (limits of 3 ids per partition,
+# the split agreed through JAX's collectives) equal to the unsplit steps.
 MULTI = {
-  "activations": ("activations", "8"),
-  "rows, mesh 2x4": ("rows", "2x4"),
+  "activations": ("activations", "8", False),
+  "rows, mesh 2x4": ("rows", "2x4", False),
+  "minibatches": ("activations", "8", True),
 }
 
 
@@ -79,9 +83,9 @@ def runs(tmp_path_factory):
   single = tmp_path_factory.mktemp("single")
   _launch(single, 1, 8)
   multi = {}
-  for name, (exchange, mesh) in MULTI.items():
+  for name, (exchange, mesh, minibatching) in MULTI.items():
     multi[name] = tmp_path_factory.mktemp("multi")
-    _launch(multi[name], 2, 4, exchange, mesh)
+    _launch(multi[name], 2, 4, exchange, mesh, minibatching)
   return single, multi
 
 

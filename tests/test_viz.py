@@ -207,6 +207,12 @@ def test_inputs_valid_entries(embed, ids):
   traced(inputs)
   assert "# tb_ta: row pointers int32[32], COO buffers int32[4096]\n" in seen[0]
   assert "valid" not in seen[0]
+  # Minibatched: 64 times the buffers, the same entries, the count shown.
+  minibatched, _ = embed.preprocess(ids, enable_minibatching=True)
+  line = f"{expected} valid entries of {size * 64} ({expected / size / 64:.1%})"
+  assert _text(minibatched, 0) == (
+    f"PreprocessedInput(1 stack, {line}, 1 minibatch)"
+  )
 
 
 def _stats(max_ids, unique=None, drops=0):

@@ -372,6 +372,8 @@ class SparseCoreEmbed(pz.nn.Layer):
     *,
     batch_number: int = 0,
     allow_id_dropping: bool = False,
+    enable_minibatching: bool = False,
+    all_reduce: Any = None,
   ) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
     """Preprocesses this process's local batch into device arrays.
 
@@ -384,10 +386,17 @@ class SparseCoreEmbed(pz.nn.Layer):
       weights: None or a matching pytree of float weights.
       batch_number: The batch's index (unused; kept for compatibility).
       allow_id_dropping: Drop ids over the limits instead of raising.
+      enable_minibatching: Split a batch over the limits into minibatches
+        that each keep them (`pz_sparsecore.minibatching`); the layer and
+        the trainer loop over them. The buffers are 64 times larger.
+      all_reduce: With minibatching over several processes, how they agree
+        on the split (`minibatching.AllReduce`); None uses JAX's
+        collectives.
 
     Returns:
       `(inputs, stats)`: buffers as global arrays laid out for the mesh, and
-      the batch's statistics (for FDO).
+      the batch's statistics (for FDO; with minibatching, those of the whole
+      batch).
 
     Raises:
       ValueError: On bad input (naming the feature and the value).
@@ -405,6 +414,8 @@ class SparseCoreEmbed(pz.nn.Layer):
       local,
       has_leading_dimension=False,
       allow_id_dropping=allow_id_dropping,
+      enable_minibatching=enable_minibatching,
+      all_reduce=all_reduce,
     )
     sharding = topo.sharding(1)
     if jax.process_count() == 1:
@@ -620,14 +631,16 @@ def _local_device_count(topo: parallel.Topology) -> int:
 # Device side: what the layer accepts.
 
 
-def _input_shapes(config: EmbedConfig) -> PreprocessedInput:
-  """Global `jax.ShapeDtypeStruct`s of `preprocess`'s buffers."""
+def _input_shapes(config: EmbedConfig, minibatched: bool) -> PreprocessedInput:
+  """Global `jax.ShapeDtypeStruct`s of `preprocess`'s buffers (with
+  `enable_minibatching` when `minibatched`)."""
   topo = config.topology
+  plan = plan_lib.minibatched(config.plan) if minibatched else config.plan
   return jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(
       (x.shape[0] * topo.num_devices,), x.dtype, sharding=topo.sharding(1)
     ),
-    input_shapes(config.plan, 1),
+    input_shapes(plan, 1),
   )
 
 
@@ -638,17 +651,18 @@ def _check_inputs(config: EmbedConfig, inputs: Any) -> None:
       f"SparseCoreEmbed {config.name!r} takes the PreprocessedInput "
       f"from its preprocess(), got {type(inputs).__name__}"
     )
-  if inputs.num_minibatches is not None:
-    raise ValueError(
-      f"SparseCoreEmbed {config.name!r}: minibatched buffers "
-      "(enable_minibatching) go to the compat device functions; the layer "
-      "takes its preprocess()'s"
-    )
-  expected = _input_shapes(config)
+  minibatched = inputs.num_minibatches is not None
+  expected = _input_shapes(config, minibatched)
   for field in dataclasses.fields(PreprocessedInput):
-    if field.name == "num_minibatches":
-      continue
     want, got = getattr(expected, field.name), getattr(inputs, field.name)
+    if field.name == "num_minibatches":
+      if minibatched and not _same_struct(got, want):
+        raise ValueError(
+          f"SparseCoreEmbed {config.name!r}: num_minibatches is "
+          f"{_struct_text(got)}, expected {_struct_text(want)} (one count "
+          "per device)"
+        )
+      continue
     if set(got) != set(want):
       raise ValueError(
         f"{field.name}: stacks {sorted(got)} do not match the layer's "
@@ -656,16 +670,30 @@ def _check_inputs(config: EmbedConfig, inputs: Any) -> None:
       )
     for stack, w in want.items():
       g = got[stack]
-      if tuple(g.shape) != tuple(w.shape) or g.dtype != w.dtype:
+      if not _same_struct(g, w):
         features = [f.name for f in config.plan.stack(stack).features]
+        layout_text = "minibatched " if minibatched else ""
         raise ValueError(
-          f"stack {stack!r}: {field.name} is {g.dtype}{list(g.shape)}, "
-          f"expected {w.dtype}{list(w.shape)} (features "
+          f"stack {stack!r}: {field.name} is {_struct_text(g)}, expected "
+          f"{_struct_text(w)} for {layout_text}buffers (features "
           f"{features}); preprocess with this layer's preprocess(). If "
           "the limits changed, refresh the layer where it is used (in the "
           "model or trainer) with pzsc.update_limits(trainer, stats), and "
           "preprocess with that layer (trainer.model...preprocess)"
         )
+
+
+def _same_struct(got: Any, want: jax.ShapeDtypeStruct) -> bool:
+  shape = getattr(got, "shape", None)
+  return shape is not None and (
+    tuple(shape) == tuple(want.shape) and got.dtype == want.dtype
+  )
+
+
+def _struct_text(x: Any) -> str:
+  if not hasattr(x, "shape"):
+    return type(x).__name__
+  return f"{x.dtype}{list(x.shape)}"
 
 
 def fits(embed: SparseCoreEmbed, inputs: Any) -> bool:

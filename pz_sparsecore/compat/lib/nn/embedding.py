@@ -492,8 +492,7 @@ def tpu_sparse_dense_matmul(
   FFI kernel and the exchange over the `shard_map`'s axis) on the device's
   buffers and table shards (`[S * V_shard, D]`, as `init_embedding_variables`
   lays them out). With `enable_minibatching`, the inputs are minibatched
-  (`minibatching`) and the lookup runs once per minibatch
-  (`minibatching.local_lookup`).
+  (`minibatching`) and the lookup runs once per minibatch.
 
   Returns:
     The activations, structured like `feature_specs`: `[S * n_f, dim_f]` per
@@ -516,9 +515,8 @@ def tpu_sparse_dense_matmul(
     sharding_strategy=sharding_strategy,
     minibatched=enable_minibatching,
   )
-  lookup = minibatching if enable_minibatching else parallel
   return _by_feature(
-    feature_specs, lookup.local_lookup(plan, topo, tables, inputs)
+    feature_specs, parallel.local_lookup(plan, topo, tables, inputs)
   )
 
 
@@ -576,8 +574,9 @@ def tpu_sparse_dense_matmul_grad(
   }
   slots = {name: tuple(v[1]) for name, v in embedding_variables.items()}
   hyper = parallel.hyperparameters(plan, 0 if step is None else step)
-  update = minibatching if enable_minibatching else parallel
-  updated = update.local_update(plan, topo, tables, slots, inputs, grads, hyper)
+  updated = parallel.local_update(
+    plan, topo, tables, slots, inputs, grads, hyper
+  )
   return {
     name: EmbeddingVariables(
       table=table, slot=type(embedding_variables[name][1])(*new_slots)
