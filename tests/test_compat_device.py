@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import pz_sparsecore as pzsc
 from pz_sparsecore.compat.lib.nn import (
   embedding,
   embedding_spec,
@@ -164,9 +165,22 @@ def test_upstream_device_step_equals_numpy(minibatching):
   before = _logical(table_specs, variables, shards=mesh.size * S)
   forward, backward = _step(mesh, specs, mesh.size, minibatching)
   acts = forward(buffers, variables)
+  # The Penzai layer of the same specs takes the same buffers.
+  layer = pzsc.SparseCoreEmbed.from_config(
+    "e",
+    jax.random.key(0),
+    embedding_spec.to_pz(specs),
+    mesh,
+    num_sc_per_device=S,
+  )
+  pzsc.set_logical_tables(layer, before)
+  layer_acts = layer(buffers)
   for name, f in specs.items():
     want = before[f.table_spec.name][ids[name]].astype(np.float64).sum(1)
     np.testing.assert_allclose(acts[name], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+      layer_acts[name].unwrap("batch", "embedding"), want, rtol=1e-5, atol=1e-5
+    )
   rng = np.random.default_rng(1)
   grads = {
     name: rng.normal(size=(BATCH, DIM)).astype(np.float32) for name in specs
