@@ -245,7 +245,9 @@ def _buffers(stack: StackPlan, topo: Topology, inputs: PreprocessedInput):
   return _route(stack, topo, *buffers)
 
 
-def _local_lookup(stack: StackPlan, topo: Topology, table, inputs):
+def _local_lookup(
+  stack: StackPlan, topo: Topology, table, inputs, unstack: bool = True
+):
   g, s, b = topo.num_devices, topo.num_sc_per_device, stack.samples_per_sc
   mode = topo.exchange_of(stack).mode
   if mode == exchange_lib.ROWS:
@@ -262,6 +264,8 @@ def _local_lookup(stack: StackPlan, topo: Topology, table, inputs):
   if mode == exchange_lib.ACTIVATIONS:
     partial = acts.reshape(g, s * b, stack.dim)
     acts = jax.lax.all_to_all(partial, topo.axis, 0, 0, tiled=True).sum(0)
+  if not unstack:
+    return {stack.name: acts.reshape(s * b, stack.dim)}
   acts = acts.reshape(s, b, stack.dim)
   return {
     f.name: acts[
@@ -272,7 +276,15 @@ def _local_lookup(stack: StackPlan, topo: Topology, table, inputs):
 
 
 def _local_update(
-  stack: StackPlan, topo: Topology, table, slots, inputs, grads, hyper, guard
+  stack: StackPlan,
+  topo: Topology,
+  table,
+  slots,
+  inputs,
+  grads,
+  hyper,
+  guard,
+  options: UpdateOptions,
 ):
   """The fused update of one stack's local shards.
 
@@ -281,16 +293,14 @@ def _local_update(
   their slots' values before the update, and whether every updated row and
   slot value is finite (all O(batch)).
   """
-  s = topo.num_sc_per_device
-  parts = []
-  for f in stack.features:
-    grad = grads[f.name].reshape(s, f.samples_per_sc, f.dim)
-    parts.append(jnp.pad(grad, ((0, 0), (0, 0), (0, stack.dim - f.dim))))
-  stacked = jnp.concatenate(parts, axis=1).reshape(-1, stack.dim)
+  stacked = _stacked_grad(stack, topo, grads, options.stacked_grads)
   stacked, buffers, shape = _owner_operands(stack, topo, inputs, stacked)
   slots = tuple(slots)
-  if guard:
+  bounds = options.bounds_of(stack.name)
+  rows = None
+  if guard or bounds is not None:
     rows = _referenced_rows(buffers, table, shape)
+  if guard:
     old = (_rows_of(table, rows), tuple(_rows_of(x, rows) for x in slots))
     hyper = hyper + _zero_depending_on(old)
   # The [S, V_shard, D] table goes in without a reshape: a reshape around
@@ -305,6 +315,9 @@ def _local_update(
     static_attributes=stack.optimizer.static_attributes(),
     **shape,
   )
+  if bounds is not None:
+    clipped = jnp.clip(_rows_of(new_table, rows), *bounds)
+    new_table = _put_rows(new_table, rows, clipped)
   if not guard:
     return new_table, new_slots
   finite = jnp.all(
@@ -317,6 +330,36 @@ def _local_update(
   )
   bad = jax.lax.psum(jnp.int32(~finite), topo.axis)
   return new_table, new_slots, (rows, *old, bad == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateOptions:
+  """How `local_update` takes its gradients and bounds its rows.
+
+  Attributes:
+    stacked_grads: The gradients are per stack (`[S * B_sc, D]`, the
+      features' samples stacked as in the buffers) instead of per feature.
+    bounds: Stack name -> `(min, max)` (either None for no bound): every
+      row the batch updates is clipped to it after the optimizer.
+  """
+
+  stacked_grads: bool = False
+  bounds: tuple[tuple[str, tuple[Any, Any]], ...] = ()
+
+  def bounds_of(self, stack: str) -> tuple[Any, Any] | None:
+    return dict(self.bounds).get(stack)
+
+
+def _stacked_grad(stack: StackPlan, topo: Topology, grads, stacked: bool):
+  """The `[S * B_sc, D]` gradient of the stack's local activations."""
+  if stacked:
+    return jnp.reshape(grads[stack.name], (-1, stack.dim))
+  s = topo.num_sc_per_device
+  parts = []
+  for f in stack.features:
+    grad = grads[f.name].reshape(s, f.samples_per_sc, f.dim)
+    parts.append(jnp.pad(grad, ((0, 0), (0, 0), (0, stack.dim - f.dim))))
+  return jnp.concatenate(parts, axis=1).reshape(-1, stack.dim)
 
 
 def _owner_operands(stack: StackPlan, topo: Topology, inputs, grad):
@@ -361,16 +404,23 @@ def _referenced_rows(buffers, table, shape: dict[str, int]) -> jax.Array:
   return rows
 
 
-def _rows_of(table: jax.Array, rows: jax.Array) -> jax.Array:
-  """`[E, D]` rows of a `[S, V_shard, D]` table (zeros past its rows)."""
+def _row_index(table: jax.Array, rows: jax.Array) -> Any:
+  """Index of local rows in a `[S, V_shard, D]` or `[S * V_shard, D]`
+  table."""
+  if table.ndim == 2:
+    return rows
   v = table.shape[1]
-  return table.at[rows // v, rows % v].get(mode="fill", fill_value=0.0)
+  return rows // v, rows % v
+
+
+def _rows_of(table: jax.Array, rows: jax.Array) -> jax.Array:
+  """`[E, D]` rows of the local table (zeros past its rows)."""
+  return table.at[_row_index(table, rows)].get(mode="fill", fill_value=0.0)
 
 
 def _put_rows(table: jax.Array, rows: jax.Array, values: jax.Array):
   """`table` with `values` written into `rows` (rows past it are skipped)."""
-  v = table.shape[1]
-  return table.at[rows // v, rows % v].set(values, mode="drop")
+  return table.at[_row_index(table, rows)].set(values, mode="drop")
 
 
 # ---------------------------------------------------------------------------
@@ -397,31 +447,51 @@ def shard_map_topology(num_sc_per_device: int) -> Topology:
 
 
 def local_lookup(
-  plan: Plan, topo: Topology, tables: dict[str, jax.Array], inputs
+  plan: Plan,
+  topo: Topology,
+  tables: dict[str, jax.Array],
+  inputs,
+  *,
+  unstack: bool = True,
 ) -> dict[str, jax.Array]:
   """Per device, inside `shard_map`: feature name -> local activations.
 
   `tables` hold the device's shards (`[S, V_shard, D]` or `[S * V_shard,
-  D]`), `inputs` its buffers; activations are `[S * n_f, dim_f]`.
+  D]`), `inputs` its buffers; activations are `[S * n_f, dim_f]`. Without
+  `unstack`, stack name -> the stack's `[S * B_sc, D]` activations (its
+  features' samples stacked as in the buffers, padded to the stack's dim).
   """
   if inputs.num_minibatches is not None:
-    return _minibatched_lookup(plan, topo, tables, inputs)
+    return _minibatched_lookup(plan, topo, tables, inputs, unstack)
   out = {}
   for stack in plan.stacks:
-    out.update(_local_lookup(stack, topo, tables[stack.name], inputs))
+    out.update(_local_lookup(stack, topo, tables[stack.name], inputs, unstack))
   return out
 
 
 def local_update(
-  plan: Plan, topo: Topology, tables, slots, inputs, grads, hyper, guard=False
+  plan: Plan,
+  topo: Topology,
+  tables,
+  slots,
+  inputs,
+  grads,
+  hyper,
+  guard=False,
+  options: UpdateOptions = UpdateOptions(),
 ) -> dict[str, tuple[Any, ...]]:
   """Per device, inside `shard_map`: stack name -> the fused update's
   `(table, slots)`, and with `guard` what undoing it needs (`apply_gradients`
-  describes the arguments; `hyper` from `hyperparameters`)."""
+  describes the arguments; `hyper` from `hyperparameters`; `options` for
+  stacked gradients and bounded rows)."""
   if inputs.num_minibatches is not None:
-    return _minibatched_update(
-      plan, topo, tables, slots, inputs, grads, hyper, guard
-    )
+
+    def update(small, tables, slots, part):
+      return local_update(
+        small, topo, tables, slots, part, grads, hyper, guard, options
+      )
+
+    return _minibatched_update(plan, topo, tables, slots, inputs, update, guard)
   return {
     stack.name: _local_update(
       stack,
@@ -432,6 +502,7 @@ def local_update(
       grads,
       hyper[stack.name],
       guard,
+      options,
     )
     for stack in plan.stacks
   }
@@ -442,14 +513,14 @@ def local_update(
 # `minibatching.minibatch_plan(plan)`.
 
 
-def _minibatched_lookup(plan: Plan, topo: Topology, tables, inputs):
+def _minibatched_lookup(plan: Plan, topo: Topology, tables, inputs, unstack):
   """The minibatches' activations, summed (a sample's ids may lie in
   several)."""
   small = minibatching.minibatch_plan(plan)
 
   def lookup(m):
     part = minibatching.minibatch_inputs(plan, inputs, m)
-    return local_lookup(small, topo, tables, part)
+    return local_lookup(small, topo, tables, part, unstack=unstack)
 
   def body(m, acts):
     part = lookup(m)
@@ -461,17 +532,18 @@ def _minibatched_lookup(plan: Plan, topo: Topology, tables, inputs):
 
 
 def _minibatched_update(
-  plan: Plan, topo: Topology, tables, slots, inputs, grads, hyper, guard
+  plan: Plan, topo: Topology, tables, slots, inputs, one, guard
 ):
   """The fused update, minibatch after minibatch: a row lies in one
-  minibatch, so it is updated once, with all its gradient. With `guard`,
-  minibatch `m`'s guard fills row `m` of `[64, ...]` arrays (rows past the
-  table where no minibatch ran), flattened at the end."""
+  minibatch, so it is updated once, with all its gradient. `one(small_plan,
+  tables, slots, minibatch_inputs)` is `local_update` of one minibatch.
+  With `guard`, minibatch `m`'s guard fills row `m` of `[64, ...]` arrays
+  (rows past the table where no minibatch ran), flattened at the end."""
   small = minibatching.minibatch_plan(plan)
 
   def update(m, tables, slots):
     part = minibatching.minibatch_inputs(plan, inputs, m)
-    out = local_update(small, topo, tables, slots, part, grads, hyper, guard)
+    out = one(small, tables, slots, part)
     return (
       {k: v[0] for k, v in out.items()},
       {k: tuple(v[1]) for k, v in out.items()},

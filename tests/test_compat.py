@@ -363,3 +363,32 @@ def test_embedding_table_format_is_the_tables_sharding():
   assert got == jax.sharding.NamedSharding(mesh, spec)
   table = jax.jit(lambda: jnp.zeros((64, 8)), out_shardings=got)()
   assert table.sharding == got
+
+
+@pytest.mark.parametrize("as_jax", [False, True])
+def test_shard_emb_table_is_mod_sharding_and_round_trips(as_jax):
+  g, s, vocab, dim = 2, 4, 48, 3
+  table = np.random.default_rng(0).normal(size=(vocab, dim)).astype(np.float32)
+  given = jnp.asarray(table) if as_jax else table
+  sharded = utils.shard_emb_table(given, num_devices=g, num_sc_per_device=s)
+  assert isinstance(sharded, jax.Array) == as_jax
+  per_shard = vocab // (g * s)
+  assert sharded.shape == (g, s * per_shard, dim)
+  # Row r lives on shard r % N (device shard // S, its SparseCore shard % S)
+  # at place r // N.
+  for r in range(vocab):
+    shard = r % (g * s)
+    device, sc = divmod(shard, s)
+    np.testing.assert_array_equal(
+      np.asarray(sharded)[device, sc * per_shard + r // (g * s)], table[r]
+    )
+  back = utils.unshard_emb_table(sharded, num_sc_per_device=s)
+  np.testing.assert_array_equal(np.asarray(back), table)
+  with pytest.raises(ValueError, match="only MOD"):
+    utils.shard_emb_table(
+      table, num_devices=g, num_sc_per_device=s, sharding_strategy="DIV"
+    )
+  with pytest.raises(ValueError, match="48 rows does not split over"):
+    utils.shard_emb_table(table, num_devices=g, num_sc_per_device=5)
+  with pytest.raises(ValueError, match="do not split over 5 SparseCores"):
+    utils.unshard_emb_table(sharded, num_sc_per_device=5)

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pz_sparsecore as pzsc
+from pz_sparsecore import plan as plan_lib
 from pz_sparsecore.compat.lib.nn import (
   embedding,
   embedding_spec,
@@ -121,7 +122,9 @@ def _logical(table_specs, variables, slot=None, shards=None):
   }
 
 
-def _step(mesh, specs, g, minibatching=False):
+def _step(mesh, specs, g, minibatching=False, forward=(), backward=()):
+  """The jitted upstream-style forward and backward; `forward` and
+  `backward` add keyword options to the device calls."""
   pd, pe = P("device"), P("device", None)
   forward = jax.shard_map(
     functools.partial(
@@ -130,6 +133,7 @@ def _step(mesh, specs, g, minibatching=False):
       feature_specs=specs,
       sharding_strategy="MOD",
       enable_minibatching=minibatching,
+      **dict(forward),
     ),
     mesh=mesh,
     in_specs=(pd, pe),
@@ -142,6 +146,7 @@ def _step(mesh, specs, g, minibatching=False):
       feature_specs=specs,
       sharding_strategy="MOD",
       enable_minibatching=minibatching,
+      **dict(backward),
     ),
     mesh=mesh,
     in_specs=(pd, pd, pe),
@@ -223,3 +228,83 @@ def test_device_functions_refuse_outside_shard_map_then_work_inside():
   acts = forward(buffers, variables)
   assert set(acts) == set(specs)
   assert jnp.shape(acts["fa"]) == (BATCH, DIM)
+
+
+@pytest.mark.parametrize("minibatching", [False, True])
+def test_stacked_activations_gradients_and_row_limits(minibatching):
+  """`perform_unstacking=False` gives each stack's activations, features'
+  samples stacked per SparseCore; `perform_stacking=False` takes gradients
+  shaped so and updates as per-feature ones do; `embedding_var_limits`
+  clips the rows the batch updates and leaves the others alone."""
+  if minibatching:
+    setup = _setup(jax.devices()[:2], limit=4, scale=16, minibatching=True)
+  else:
+    setup = _setup()
+  mesh, specs, ids, buffers, table_specs, variables = setup
+  n = mesh.size * S
+  before = _logical(table_specs, variables, shards=n)
+  plan = plan_lib.build(embedding_spec.to_pz(specs), mesh.size, S)
+  forward, _ = _step(mesh, specs, mesh.size, minibatching)
+  per_feature = forward(buffers, variables)
+  stacked_forward, _ = _step(
+    mesh, specs, mesh.size, minibatching, forward={"perform_unstacking": False}
+  )
+  stacked = stacked_forward(buffers, variables)
+  assert set(stacked) == {stack.name for stack in plan.stacks}
+  rng = np.random.default_rng(2)
+  grads = {
+    name: rng.normal(size=(BATCH, DIM)).astype(np.float32) for name in specs
+  }
+  stacked_grads = {}
+  for stack in plan.stacks:
+    acts = np.asarray(stacked[stack.name]).reshape(mesh.size * S, -1, DIM)
+    grad = np.zeros_like(acts)
+    for f in stack.features:
+      rows = slice(f.sample_offset, f.sample_offset + f.samples_per_sc)
+      np.testing.assert_array_equal(
+        acts[:, rows], np.asarray(per_feature[f.name]).reshape(n, -1, DIM)
+      )
+      grad[:, rows] = grads[f.name].reshape(n, -1, DIM)
+    stacked_grads[stack.name] = grad.reshape(-1, DIM)
+  # Stacked gradients update as per-feature ones.
+  _, backward = _step(mesh, specs, mesh.size, minibatching)
+  _, stacked_backward = _step(
+    mesh, specs, mesh.size, minibatching, backward={"perform_stacking": False}
+  )
+  copy = jax.tree.map(jnp.copy, variables)
+  want = _logical(table_specs, backward(grads, buffers, copy), shards=n)
+  copy = jax.tree.map(jnp.copy, variables)
+  got = _logical(
+    table_specs, stacked_backward(stacked_grads, buffers, copy), shards=n
+  )
+  for name in want:
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6)
+  # Limits on stack "c": its updated rows clipped, the others untouched
+  # (rows outside the limits that the batch does not reference included).
+  c = specs["fc"].table_spec.setting_in_stack.stack_name
+  _, limited_backward = _step(
+    mesh,
+    specs,
+    mesh.size,
+    minibatching,
+    backward={"embedding_var_limits": {c: (-0.25, 0.5)}},
+  )
+  copy = jax.tree.map(jnp.copy, variables)
+  got = _logical(table_specs, limited_backward(grads, buffers, copy), shards=n)
+  touched = np.unique(ids["fc"])
+  untouched = np.setdiff1d(np.arange(len(before["c"])), touched)
+  np.testing.assert_allclose(
+    got["c"][touched], np.clip(want["c"][touched], -0.25, 0.5), rtol=1e-6
+  )
+  np.testing.assert_array_equal(got["c"][untouched], before["c"][untouched])
+  assert np.abs(before["c"][untouched]).max() > 0.5
+  for name in ("a", "b"):
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="unknown"):
+    _step(
+      mesh,
+      specs,
+      mesh.size,
+      minibatching,
+      backward={"embedding_var_limits": {"unknown": (0.0, 1.0)}},
+    )[1](grads, buffers, jax.tree.map(jnp.copy, variables))

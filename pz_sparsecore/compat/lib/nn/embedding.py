@@ -496,16 +496,16 @@ def tpu_sparse_dense_matmul(
 
   Returns:
     The activations, structured like `feature_specs`: `[S * n_f, dim_f]` per
-    feature (its samples on this device).
+    feature (its samples on this device). Without `perform_unstacking`,
+    stack name -> the stack's `[S * B_sc, D]` activations (its features'
+    samples stacked as in the buffers).
 
   Raises:
     ValueError: Outside `shard_map`, on a device count that is not the
-      `shard_map`'s, without `perform_unstacking` (not supported), or with
-      `enable_minibatching` on inputs that are not minibatched.
+      `shard_map`'s, or with `enable_minibatching` on inputs that are not
+      minibatched.
   """
   del use_activation_unstack_primitive
-  if not perform_unstacking:
-    raise ValueError("perform_unstacking=False is not supported")
   plan, topo, inputs, tables = _device_call(
     preprocessed_inputs,
     embedding_variables,
@@ -515,9 +515,24 @@ def tpu_sparse_dense_matmul(
     sharding_strategy=sharding_strategy,
     minibatched=enable_minibatching,
   )
-  return _by_feature(
-    feature_specs, parallel.local_lookup(plan, topo, tables, inputs)
+  acts = parallel.local_lookup(
+    plan, topo, tables, inputs, unstack=perform_unstacking
   )
+  return _by_feature(feature_specs, acts) if perform_unstacking else acts
+
+
+def _bounds(plan: Any, limits: Any) -> tuple[tuple[str, Any], ...]:
+  """`embedding_var_limits` as `UpdateOptions.bounds`."""
+  if limits is None:
+    return ()
+  names = [stack.name for stack in plan.stacks]
+  unknown = sorted(set(limits) - set(names))
+  if unknown:
+    raise ValueError(
+      f"embedding_var_limits names stacks {unknown} that are not among the "
+      f"feature specs' stacks {names}"
+    )
+  return tuple((name, tuple(limits[name])) for name in names if name in limits)
 
 
 def tpu_sparse_dense_matmul_grad(
@@ -542,19 +557,20 @@ def tpu_sparse_dense_matmul_grad(
   samples and the stack's optimizer once (`parallel.local_update`), in place
   when the variables are donated.
 
+  Without `perform_stacking`, `activation_gradients` are per stack (as
+  `tpu_sparse_dense_matmul(..., perform_unstacking=False)` returns the
+  activations). `embedding_var_limits` maps stack names to `(min, max)`
+  (either None): every row the batch updates is clipped to it.
+
   Returns:
     Stack name -> the updated `EmbeddingVariables` (slots in the same
     namedtuple as given).
 
   Raises:
-    ValueError: As `tpu_sparse_dense_matmul`, and with
-      `embedding_var_limits` (not supported).
+    ValueError: As `tpu_sparse_dense_matmul`, and for
+      `embedding_var_limits` naming an unknown stack.
   """
   del label, use_gradient_stacking_primitive
-  if not perform_stacking or embedding_var_limits is not None:
-    raise ValueError(
-      "perform_stacking=False and embedding_var_limits are not supported"
-    )
   plan, topo, inputs, tables = _device_call(
     preprocessed_inputs,
     embedding_variables,
@@ -564,18 +580,25 @@ def tpu_sparse_dense_matmul_grad(
     sharding_strategy=sharding_strategy,
     minibatched=enable_minibatching,
   )
-  grads = {
-    f.name: g
-    for f, g in zip(
-      jax.tree.leaves(feature_specs, is_leaf=embedding_spec.is_feature),
-      jax.tree.leaves(activation_gradients),
-      strict=True,
-    )
-  }
+  if perform_stacking:
+    grads = {
+      f.name: g
+      for f, g in zip(
+        jax.tree.leaves(feature_specs, is_leaf=embedding_spec.is_feature),
+        jax.tree.leaves(activation_gradients),
+        strict=True,
+      )
+    }
+  else:
+    grads = dict(activation_gradients)
   slots = {name: tuple(v[1]) for name, v in embedding_variables.items()}
   hyper = parallel.hyperparameters(plan, 0 if step is None else step)
+  options = parallel.UpdateOptions(
+    stacked_grads=not perform_stacking,
+    bounds=_bounds(plan, embedding_var_limits),
+  )
   updated = parallel.local_update(
-    plan, topo, tables, slots, inputs, grads, hyper
+    plan, topo, tables, slots, inputs, grads, hyper, options=options
   )
   return {
     name: EmbeddingVariables(
