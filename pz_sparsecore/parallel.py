@@ -291,7 +291,8 @@ def _local_update(
   With `guard`, also returns what undoing it needs: the local rows the
   batch references (out of range for invalid entries), their values and
   their slots' values before the update, and whether every updated row and
-  slot value is finite (all O(batch)).
+  slot value is finite (all O(batch)). With bounds in `options`, the rows
+  the batch updates are clipped to them (O(batch), in place).
   """
   stacked = _stacked_grad(stack, topo, grads, options.stacked_grads)
   stacked, buffers, shape = _owner_operands(stack, topo, inputs, stacked)
