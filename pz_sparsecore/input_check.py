@@ -129,22 +129,30 @@ def _minibatch_segments(
   per_sc = small.stack(stack.name).coo_per_sc
   rpp = buffer_format.row_pointers_per_sc(plan.num_shards)
   fills = (buffer_format.PAD_ID, buffer_format.PAD_ID, buffer_format.PAD_GAIN)
+  size = coo[0].size
+  padded = [
+    np.concatenate([buf, np.full(per_sc, fill, buf.dtype)])
+    for buf, fill in zip(coo, fills, strict=True)
+  ]
   for sc in range(plan.num_sc_per_device):
     for m in range(count):
       where = f"device {device}, SparseCore {sc}, minibatch {m}"
       k = sc * count + m
       start = 0 if k == 0 else int(buffer_format.round_up(rp[k * rpp - 1]))
-      if not 0 <= start <= coo[0].size:
+      if not 0 <= start <= size:
         raise ValueError(
           f"stack {stack.name!r}, {where}: it starts at position {start} "
           f"(the rounded-up row_pointers[{k * rpp - 1}]), outside the "
-          f"buffer's [0, {coo[0].size}]"
+          f"buffer's [0, {size}]"
         )
-      segment = [rp[k * rpp : (k + 1) * rpp] - start]
-      for buf, fill in zip(coo, fills, strict=True):
-        padded = np.concatenate([buf, np.full(per_sc, fill, buf.dtype)])
-        segment.append(padded[start : start + per_sc])
-      yield where, small, tuple(segment)
+      yield (
+        where,
+        small,
+        (
+          rp[k * rpp : (k + 1) * rpp] - start,
+          *(buf[start : start + per_sc] for buf in padded),
+        ),
+      )
 
 
 def _device_blocks(value: Any, num_devices: int):
