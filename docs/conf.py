@@ -86,5 +86,17 @@ def _process_docstring(app, what, name, obj, options, lines):
   lines[:] = text.split("\n")
 
 
+def _treescope_run_here(app, pagename, templatename, context, doctree):
+  """Loads `_static/treescope_run_here.js` in the page's head, before any
+  output (the theme puts `html_js_files` at the end of the body, too late):
+  Treescope's inline scripts then run once whole (see the file)."""
+  del app, pagename, templatename, doctree
+  src = context["pathto"]("_static/treescope_run_here.js", 1)
+  context["metatags"] = (
+    context.get("metatags", "") + f'\n<script src="{src}"></script>'
+  )
+
+
 def setup(app):
   app.connect("autodoc-process-docstring", _process_docstring)
+  app.connect("html-page-context", _treescope_run_here)

@@ -127,6 +127,12 @@ def test_notebook_page_shows_its_figures(built, name, tmp_path):
       deviceScaleFactor=1,
       mobile=False,
     )
+    # The docs' treescope-run-here, not Treescope's (see the next test).
+    assert chromium.evaluate(
+      call,
+      "customElements.get('treescope-run-here').toString()"
+      ".includes('DOMContentLoaded')",
+    )
     drawn = chromium.evaluate(call, chromium.DRAW_ALL)
     assert drawn["undrawn"] == [], (name, drawn, chromium.console_errors(call))
     if "treescope" in html:
@@ -139,3 +145,36 @@ def test_notebook_page_shows_its_figures(built, name, tmp_path):
     assert "Rendering array" not in text
     assert "Traceback" not in text
     assert chromium.console_errors(call) == []
+
+
+def test_treescope_scripts_run_once_the_page_is_parsed(tmp_path):
+  """The docs' `treescope-run-here` (loaded in every page's head) runs an
+  output's inline scripts at DOMContentLoaded, when each is whole, in
+  document order; Treescope's own definition, which would run them while
+  the parser may still be adding their text, is not installed over it."""
+  browser = chromium.find()
+  if browser is None:
+    pytest.skip("chromium is not installed")
+  script = (DOCS / "_static" / "treescope_run_here.js").resolve().as_uri()
+  run = '<treescope-run-here><script type="application/octet-stream">{}'
+  run += "</script></treescope-run-here>"
+  page = tmp_path / "page.html"
+  page.write_text(
+    f'<html><head><script src="{script}"></script></head><body>'
+    # What Treescope's outputs do first: define the element unless defined.
+    "<script>window.seen = []; if (!customElements.get('treescope-run-here'))"
+    " { window.seen.push('treescope defined it'); }</script>"
+    + run.format("window.seen.push('a ' + document.readyState);")
+    + run.format("window.seen.push('b ' + document.readyState);")
+    + "</body></html>"
+  )
+  with chromium.devtools(browser, tmp_path / "profile", 800, 600) as call:
+    call("Runtime.enable")
+    call("Page.navigate", url=page.as_uri())
+    chromium.wait_for(call, "document.readyState === 'complete'")
+    seen = chromium.evaluate(call, "window.seen")
+    left = chromium.evaluate(
+      call, "document.querySelectorAll('treescope-run-here').length"
+    )
+  assert seen == ["a interactive", "b interactive"]
+  assert left == 0
