@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -297,7 +298,7 @@ def _local_update(
   stacked = _stacked_grad(stack, topo, grads, options.stacked_grads)
   stacked, buffers, shape = _owner_operands(stack, topo, inputs, stacked)
   slots = tuple(slots)
-  bounds = options.bounds_of(stack.name)
+  bounds = options.bounds.get(stack.name)
   rows = None
   if guard or bounds is not None:
     rows = _referenced_rows(buffers, table, shape)
@@ -345,10 +346,9 @@ class UpdateOptions:
   """
 
   stacked_grads: bool = False
-  bounds: tuple[tuple[str, tuple[Any, Any]], ...] = ()
-
-  def bounds_of(self, stack: str) -> tuple[Any, Any] | None:
-    return dict(self.bounds).get(stack)
+  bounds: Mapping[str, tuple[Any, Any]] = dataclasses.field(
+    default_factory=dict
+  )
 
 
 def _stacked_grad(stack: StackPlan, topo: Topology, grads, stacked: bool):

@@ -521,10 +521,10 @@ def tpu_sparse_dense_matmul(
   return _by_feature(feature_specs, acts) if perform_unstacking else acts
 
 
-def _bounds(plan: Any, limits: Any) -> tuple[tuple[str, Any], ...]:
+def _bounds(plan: Any, limits: Any) -> dict[str, tuple[Any, Any]]:
   """`embedding_var_limits` as `UpdateOptions.bounds`."""
   if limits is None:
-    return ()
+    return {}
   names = [stack.name for stack in plan.stacks]
   unknown = sorted(set(limits) - set(names))
   if unknown:
@@ -532,7 +532,7 @@ def _bounds(plan: Any, limits: Any) -> tuple[tuple[str, Any], ...]:
       f"embedding_var_limits names stacks {unknown} that are not among the "
       f"feature specs' stacks {names}"
     )
-  return tuple((name, tuple(limits[name])) for name in names if name in limits)
+  return {name: tuple(bounds) for name, bounds in limits.items()}
 
 
 def tpu_sparse_dense_matmul_grad(
