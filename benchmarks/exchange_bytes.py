@@ -6,7 +6,7 @@ Run: ``.venv/bin/python benchmarks/exchange_bytes.py`` (prints two tables).
    2 SparseCores each: one feature, a local batch of 256 samples x 8
    uniform ids per device, dim 32, SGD, limits set to the batch by FDO. The
    train step (lookup and fused update in one jit) is compiled and its
-   collectives are read from the HLO (``parallel.compiled_exchange_bytes``)
+   collectives are read from the HLO (``routing.compiled_exchange_bytes``)
    next to ``exchange.predict_bytes``.
 2. *Predicted up to G = 1024*: a local batch of 4096 samples x 8 ids per
    device, dim 128, S = 1, ids uniform over 2**30 rows. The limits are what
@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import exchange, parallel
+from pz_sparsecore.device import exchange, routing
 from pz_sparsecore.nn.tables import table_arrays
 
 # 8 virtual CPU devices (before any computation), as pipeline.py.
@@ -86,11 +86,11 @@ def measured_table() -> list[str]:
       for mode in MODES:
         embed, inputs = _tuned_layer(g, s, mode, 256, 8, 32)
         plan, topo = embed.config.plan, embed.config.topology
-        step = parallel.compiled_exchange_bytes(
+        step = routing.compiled_exchange_bytes(
           plan, topo, table_arrays(embed), inputs
         )["step"]
         chosen = topo.exchange_of(plan.stacks[0])
-        cells.append((step, getattr(chosen, mode).step))
+        cells.append((step, chosen.by_mode[mode].step))
       spec = plan.stacks[0].spec
       limits = (
         f"{spec.max_ids_per_partition}/{spec.max_unique_ids_per_partition}"
@@ -140,7 +140,7 @@ def predicted_table(batch: int = 4096, ids: int = 8, dim: int = 128):
       max_unique_ids_per_partition=max_unique,
     )
     chosen = exchange.choose("auto", **sizes)
-    acts, rows = chosen.activations.step, chosen.rows.step
+    acts, rows = (chosen.by_mode[m].step for m in ("activations", "rows"))
     lines.append(
       f"{g:>5} {f'{max_ids}/{max_unique}':>11} {acts / 1e6:15,.2f} "
       f"{rows / 1e6:9,.2f} {rows / acts:9.3f}  {chosen.mode}"

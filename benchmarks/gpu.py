@@ -12,14 +12,15 @@ after warm-up, wall time around a call that blocks until the GPU is done
 (JAX: ``block_until_ready``; torch: ``torch.cuda.synchronize``), so our
 handlers' host-side row-pointer check counts.
 
-1. ``fwd``: the lookup. Ours: ``pz_sparsecore.kernels.sparse_dense_matmul``
-   on the buffers of the public host preprocessing
-   (``preprocess_sparse_dense_matmul_input``, timed on its own in column
-   ``host prep``: the host work an input pipeline overlaps with the device
-   steps); torch: ``nn.EmbeddingBag(mode="sum")`` on the ``[65536, 32]``
-   int64 ids on the GPU; plain JAX: ``jnp.take`` + sum. GB/s: the bytes a
-   lookup must move (each id's row read once, the output written once) over
-   the time, beside the card's copy bandwidth measured in the same run.
+1. ``fwd``: the lookup. Ours:
+   ``pz_sparsecore.device.kernels.sparse_dense_matmul`` on the buffers of the
+   public host preprocessing (``preprocess_sparse_dense_matmul_input``, timed on
+   its own in column ``host prep``: the host work an input pipeline overlaps
+   with the device steps); torch: ``nn.EmbeddingBag(mode="sum")`` on the
+   ``[65536, 32]`` int64 ids on the GPU; plain JAX: ``jnp.take`` + sum. GB/s:
+   the bytes a lookup must move (each id's row read once, the output written
+   once) over the time, beside the card's copy bandwidth measured in the same
+   run.
 2. ``update``: a fixed activation gradient applied to the table. Ours: the
    fused backward alone (SGD, Adagrad; table and slot donated); torch:
    ``EmbeddingBag(sparse=True)``'s backward + ``optim.SGD`` /
@@ -92,7 +93,7 @@ def child_jax(vocab: int, dist: str, repeats: int) -> dict:
   import jax.numpy as jnp
   import numpy as np
 
-  from pz_sparsecore import kernels
+  from pz_sparsecore.device import kernels
 
   sys.path.insert(0, HERE)
   from kernels import preprocess_fn

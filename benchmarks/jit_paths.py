@@ -10,7 +10,7 @@ inside it every path runs on the same model and batches, the paths
 interleaved round by round (same load), median of the rounds.
 
 Paths (the ``raw`` rows are the reference: plain `jax.jit` over the arrays,
-calling `parallel.lookup` / `parallel.apply_gradients` directly, tables,
+calling `routing.lookup` / `routing.apply_gradients` directly, tables,
 slots, head and optimizer state donated):
 
 * forward: ``pzsc.variable_jit(lambda m, x: m(x))`` (the README's call);
@@ -50,7 +50,7 @@ import optax
 from penzai import pz
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import parallel
+from pz_sparsecore.device import routing
 from pz_sparsecore.nn.tables import (
   assign_arrays,
   slot_arrays,
@@ -115,7 +115,7 @@ def forward_paths(model: Model) -> dict:
 
   @jax.jit
   def raw(tables, params, inputs):
-    flat = parallel.lookup(config.plan, config.topology, tables, inputs)
+    flat = routing.lookup(config.plan, config.topology, tables, inputs)
     acts = pz.nx.wrap(flat["ids"]).tag("batch", "embedding")
     return pz.bind_variables(head_model, params)(acts)
 
@@ -157,20 +157,20 @@ def hand_written_step(embed, head, opt_state, inputs, targets, step):
 
 
 def raw_step_fn(model: Model):
-  """The same step over arrays: `parallel.lookup` / `apply_gradients`."""
+  """The same step over arrays: `routing.lookup` / `apply_gradients`."""
   config = model.embed.config
   head_model, _ = pz.unbind_params(model.head, freeze=True)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
   def raw(tables, slots, params, opt_state, inputs, targets, step):
-    flat = parallel.lookup(config.plan, config.topology, tables, inputs)
+    flat = routing.lookup(config.plan, config.topology, tables, inputs)
 
     def loss_of(params, flat):
       acts = pz.nx.wrap(flat["ids"]).tag("batch", "embedding")
       return mse(pz.bind_variables(head_model, params)(acts), targets)
 
     loss, (g_params, g_flat) = jax.value_and_grad(loss_of, (0, 1))(params, flat)
-    tables, slots = parallel.apply_gradients(
+    tables, slots = routing.apply_gradients(
       config.plan, config.topology, tables, slots, inputs, g_flat, step
     )
     updates, opt_state = OPTIMIZER.update(g_params, opt_state, params)

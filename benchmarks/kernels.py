@@ -65,8 +65,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import buffer_format, kernels
-from pz_sparsecore.kernels import contract, ffi
+from pz_sparsecore.core import buffer_format
+from pz_sparsecore.device import kernels
+from pz_sparsecore.device.kernels import contract, ffi
 
 BATCH = 4096
 IDS_PER_SAMPLE = 32

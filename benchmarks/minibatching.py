@@ -36,9 +36,9 @@ import optax
 from penzai import pz
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import buffer_format, layout
-from pz_sparsecore import preprocess as pp
-from pz_sparsecore import specs as sp
+from pz_sparsecore.core import buffer_format, layout
+from pz_sparsecore.core import specs as sp
+from pz_sparsecore.host import preprocess as pp
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import preprocess as bench_preprocess  # noqa: E402

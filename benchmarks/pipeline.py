@@ -46,7 +46,7 @@ from jax.sharding import Mesh
 from penzai import pz
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import specs
+from pz_sparsecore.core import specs
 
 FEATURES = 4
 BATCH = 4096

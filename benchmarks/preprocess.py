@@ -33,9 +33,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from pz_sparsecore import layout
-from pz_sparsecore import preprocess as pp
-from pz_sparsecore import specs as sp
+from pz_sparsecore.core import layout
+from pz_sparsecore.core import specs as sp
+from pz_sparsecore.host import preprocess as pp
 
 NUM_FEATURES = 26
 GLOBAL_BATCH = 4096

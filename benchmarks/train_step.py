@@ -16,7 +16,7 @@ squared-error loss, on 8 virtual CPU devices.
 * (c) vocab 2**20 with Adagrad, once with each exchange forced
   (``exchange="activations"`` and ``"rows"``): step times side by side with
   each exchange's predicted collective bytes per device per step
-  (``pz_sparsecore.exchange``), and which one ``"auto"`` picks.
+  (``pz_sparsecore.device.exchange``), and which one ``"auto"`` picks.
 
 Each configuration runs in its own subprocess. Step time: median of 20 steps
 after 3 warm-up steps, preprocessing excluded (batches are preprocessed
@@ -88,7 +88,7 @@ def _run_ours(
   import optax
   from penzai import pz
 
-  from pz_sparsecore import specs
+  from pz_sparsecore.core import specs
   from pz_sparsecore.nn.embed import SparseCoreEmbed
   from pz_sparsecore.nn.training import SparseCoreTrainer
 

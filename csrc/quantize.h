@@ -2,7 +2,7 @@
 // [min_value, max_value] and rounded (half to even) to the nearest of
 // num_buckets evenly spaced levels min_value + k * step, step = (max_value -
 // min_value) / (num_buckets - 1), in float32 (the rule of
-// pz_sparsecore.kernels.reference.quantize; a fused multiply-add may make
+// pz_sparsecore.device.kernels.reference.quantize; a fused multiply-add may make
 // the last bit differ). num_buckets == 0: not quantized.
 #ifndef PZSC_CSRC_QUANTIZE_H_
 #define PZSC_CSRC_QUANTIZE_H_

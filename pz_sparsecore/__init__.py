@@ -3,15 +3,23 @@
 `import pz_sparsecore as pzsc` gives the public surface below. Submodules
 load on first use, so importing the package is cheap and does not start JAX.
 
-Pipeline: specs (`TableSpec`, `FeatureSpec`, optimizer specs, whose
-equations live in the optimizer registry) → layout
-(`prepare_feature_specs_for_training`, `stack_tables`, ...) → the plan
-(`build_plan`: every static size of the specs on a topology, in the buffer
-format of `buffer_format`) → host preprocessing
-(`preprocess_sparse_dense_matmul_input`) → kernels and their shard_map
-routing → the Penzai layer (`SparseCoreEmbed`) and its training
-(`SparseCoreTrainer`), with FDO, checkpoints, logical table views and
-Treescope figures around it.
+The package's folders are the pipeline's stages; data flows down, and no
+stage imports one above it:
+
+* `core`: specs (`TableSpec`, `FeatureSpec`, optimizer specs, whose
+  equations live in the optimizer registry), layout
+  (`prepare_feature_specs_for_training`, `stack_tables`, ...), the plan
+  (`build_plan`: every static size of the specs on a topology, in the buffer
+  format of `buffer_format`) and the types that cross stages
+  (`PreprocessedInput`, `SparseDenseMatmulInputStats`);
+* `host`: preprocessing of id batches on the host
+  (`preprocess_sparse_dense_matmul_input`), FDO and the prefetching
+  pipeline;
+* `device`: the kernels, the topology and the routing of lookups and fused
+  updates over the mesh, one exchange per stack;
+* `nn`: the Penzai layer (`SparseCoreEmbed`), its training
+  (`SparseCoreTrainer`), jitting, checkpoints and logical table views;
+* `viz`: Treescope renderers and figures.
 """
 
 from __future__ import annotations
@@ -22,56 +30,56 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
   # specs
-  "TableSpec": "specs",
-  "FeatureSpec": "specs",
-  "FeatureIdTransformation": "specs",
-  "TableSettingInStack": "specs",
-  "StackedTableSpec": "specs",
-  "OptimizerSpec": "specs",
-  "SGDOptimizerSpec": "specs",
-  "AdagradOptimizerSpec": "specs",
-  "AdagradMomentumOptimizerSpec": "specs",
-  "AdamOptimizerSpec": "specs",
-  "FTRLOptimizerSpec": "specs",
-  "QuantizationConfig": "specs",
-  "LaPropOptimizerSpec": "specs",
-  "F2AOptimizerSpec": "specs",
-  "CustomOptimizerSpec": "specs",
+  "TableSpec": "core.specs",
+  "FeatureSpec": "core.specs",
+  "FeatureIdTransformation": "core.specs",
+  "TableSettingInStack": "core.specs",
+  "StackedTableSpec": "core.specs",
+  "OptimizerSpec": "core.specs",
+  "SGDOptimizerSpec": "core.specs",
+  "AdagradOptimizerSpec": "core.specs",
+  "AdagradMomentumOptimizerSpec": "core.specs",
+  "AdamOptimizerSpec": "core.specs",
+  "FTRLOptimizerSpec": "core.specs",
+  "QuantizationConfig": "core.specs",
+  "LaPropOptimizerSpec": "core.specs",
+  "F2AOptimizerSpec": "core.specs",
+  "CustomOptimizerSpec": "core.specs",
   # layout
-  "prepare_feature_specs_for_training": "layout",
-  "stack_tables": "layout",
-  "auto_stack_tables": "layout",
-  "stack_and_shard_tables": "layout",
-  "unshard_and_unstack_tables": "layout",
-  "physical_row_ids": "layout",
-  "get_table_specs": "layout",
-  "get_stacked_table_specs": "layout",
+  "prepare_feature_specs_for_training": "core.layout",
+  "stack_tables": "core.layout",
+  "auto_stack_tables": "core.layout",
+  "stack_and_shard_tables": "core.layout",
+  "unshard_and_unstack_tables": "core.layout",
+  "physical_row_ids": "core.layout",
+  "get_table_specs": "core.layout",
+  "get_stacked_table_specs": "core.layout",
   # plan and buffer format
-  "Plan": "plan",
-  "build_plan": "plan",
-  "PAD_ID": "buffer_format",
+  "Plan": "core.plan",
+  "build_plan": "core.plan",
+  "PAD_ID": "core.buffer_format",
   # preprocessing
-  "preprocess_sparse_dense_matmul_input": "preprocess",
-  "PreprocessedInput": "preprocess",
-  "SparseDenseMatmulInputStats": "preprocess",
-  "compute_coo_buffer_size_per_device": "preprocess",
-  "eval_preprocess_sparse_dense_matmul_input_shape": "preprocess",
-  "preprocess_sparse_dense_matmul_input_from_sparse_tensor": "sparse_coo",
-  "preprocess_sparse_dense_matmul_sparse_coo_input": "sparse_coo",
+  "preprocess_sparse_dense_matmul_input": "host.preprocess",
+  "PreprocessedInput": "core.preprocessed",
+  "SparseDenseMatmulInputStats": "core.preprocessed",
+  "compute_coo_buffer_size_per_device": "host.preprocess",
+  "eval_preprocess_sparse_dense_matmul_input_shape": "host.preprocess",
+  "preprocess_sparse_dense_matmul_input_from_sparse_tensor": "host.sparse_coo",
+  "preprocess_sparse_dense_matmul_sparse_coo_input": "host.sparse_coo",
   # fdo
-  "FDOClient": "fdo",
-  "NPZFileFDOClient": "fdo",
-  "CSVFileFDOClient": "fdo",
-  "update_preprocessing_parameters": "fdo",
-  "scale_stats": "fdo",
+  "FDOClient": "host.fdo",
+  "NPZFileFDOClient": "host.fdo",
+  "CSVFileFDOClient": "host.fdo",
+  "update_preprocessing_parameters": "host.fdo",
+  "scale_stats": "host.fdo",
   # device side
-  "sparse_dense_matmul": "kernels",
-  "sparse_dense_matmul_grad": "kernels",
-  "backend_info": "kernels.backend",
-  "Topology": "parallel",
-  "TableGradientError": "parallel",
-  "predict_exchange_bytes": "exchange",
-  "ExchangeBytes": "exchange",
+  "sparse_dense_matmul": "device.kernels",
+  "sparse_dense_matmul_grad": "device.kernels",
+  "backend_info": "device.kernels.backend",
+  "Topology": "device.topology",
+  "TableGradientError": "device.routing",
+  "predict_exchange_bytes": "device.exchange",
+  "ExchangeBytes": "device.exchange",
   # penzai side
   "SparseCoreEmbed": "nn.embed",
   "SparseCoreTrainer": "nn.training",
@@ -86,13 +94,13 @@ _EXPORTS = {
   "with_feature_specs": "nn.respec",
   "update_limits": "nn.respec",
   # input pipeline
-  "prefetch": "pipeline",
-  "Prefetcher": "pipeline",
-  "PrefetchError": "pipeline",
+  "prefetch": "host.pipeline",
+  "Prefetcher": "host.pipeline",
+  "PrefetchError": "host.pipeline",
   # exchange of layouts with jax-tpu-embedding
-  "EmbeddingSpecProto": "spec_proto",
-  "create_proto_from_feature_specs": "spec_proto",
-  "feature_specs_from_proto": "spec_proto",
+  "EmbeddingSpecProto": "core.spec_proto",
+  "create_proto_from_feature_specs": "core.spec_proto",
+  "feature_specs_from_proto": "core.spec_proto",
 }
 
 _RENAMED = {"build_plan": "build", "predict_exchange_bytes": "predict_bytes"}

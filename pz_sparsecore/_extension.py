@@ -32,3 +32,22 @@ def load(module_name: str, env_var: str) -> ModuleType:
   if path:
     return load_file(path, module_name)
   return importlib.import_module(module_name)
+
+
+READER_MODULE = "pz_sparsecore._pzsc_ragged"
+"""The compiled ragged-id reader of host preprocessing."""
+READER_ENV = "PZSC_RAGGED_LIBRARY"
+"""Environment variable: a path to the reader module to load instead of the
+installed one (e.g. a sanitizer build)."""
+
+
+def reader_path() -> str | None:
+  """The compiled ragged-id reader's file, or None if it does not load
+  (host preprocessing loads it; `backend_info` reports it)."""
+  module = sys.modules.get(READER_MODULE)
+  if module is None:
+    try:
+      module = load(READER_MODULE, READER_ENV)
+    except ImportError:
+      return None
+  return getattr(module, "__file__", None)

@@ -27,7 +27,7 @@ def main() -> None:
   )
   import numpy as np
 
-  from pz_sparsecore import preprocess
+  from pz_sparsecore.host import preprocess
 
   sys.path.insert(0, os.path.dirname(__file__))
   import test_minibatching as cases

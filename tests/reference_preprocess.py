@@ -1,10 +1,11 @@
 """A plain-Python reference of the preprocessor, written for clarity.
 
-It follows the reference algorithm of the research notes (section 2.11)
-literally: per stack, per local device and SparseCore, a dict of
-(partition, local row, sample) -> gain, sorted, then the drop rule and the
+It follows upstream's preprocessing algorithm literally (the module
+docstring of `pz_sparsecore.host.preprocess` states it): per stack, per
+local device and SparseCore, a dict of (partition, local row, sample) ->
+gain, sorted, then the drop rule and the
 8-aligned layout. It is slow and only used by the tests, as the oracle for
-`pz_sparsecore.preprocess` (which must match it byte for byte). It does not
+`pz_sparsecore.host.preprocess` (which must match it byte for byte). It does not
 validate its inputs; give it valid ones.
 """
 
@@ -16,12 +17,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from pz_sparsecore.preprocess import (
+from pz_sparsecore.core.specs import FeatureSpec
+from pz_sparsecore.host.preprocess import (
   PAD_ID,
   PreprocessedInput,
   SparseDenseMatmulInputStats,
 )
-from pz_sparsecore.specs import FeatureSpec
 
 
 def _r8(x: int) -> int:

@@ -22,7 +22,7 @@ from penzai.toolshed import sharding_util
 from test_parallel import BATCH, SEQ, _batch, _feature_specs, _tables
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import viz
+from pz_sparsecore.viz import figures as viz
 
 MAPPING = {"batch": "data", "hidden": "model"}
 HIDDEN = 16

@@ -29,7 +29,7 @@ from test_training import (
 from test_training import loss_fn as probe_loss_fn
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import layout, specs
+from pz_sparsecore.core import layout, specs
 from pz_sparsecore.models import shakespeare
 from pz_sparsecore.nn import _ckpt_layout, host, tables
 from pz_sparsecore.nn.checkpoint import restore_checkpoint, save_checkpoint

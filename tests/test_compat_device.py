@@ -19,12 +19,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import plan as plan_lib
 from pz_sparsecore.compat.lib.nn import (
   embedding,
   embedding_spec,
   table_stacking,
 )
+from pz_sparsecore.core import plan as plan_lib
 
 BATCH, DIM, S = 64, 8, 4
 LR = 0.25

@@ -13,10 +13,10 @@ from jax.sharding import Mesh
 from penzai import pz
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import specs
+from pz_sparsecore.core import specs
+from pz_sparsecore.host.preprocess import PreprocessedInput
 from pz_sparsecore.nn.embed import ROW_AXIS, SHARD_AXIS, SparseCoreEmbed
 from pz_sparsecore.nn.tables import table_arrays
-from pz_sparsecore.preprocess import PreprocessedInput
 
 BATCH = 8
 

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import exchange, parallel
+from pz_sparsecore.device import exchange, routing
 from pz_sparsecore.nn.tables import table_arrays
 
 LOCAL_BATCH, IDS, DIM, VOCAB = 256, 8, 32, 100_000
@@ -67,7 +67,7 @@ def _compiled(g: int, s: int, mode: str, calls=("step",)):
   """(predicted `Exchange`, compiled bytes of the `calls`)."""
   embed, inputs = _layer(g, s, mode)
   plan, topo = embed.config.plan, embed.config.topology
-  measured = parallel.compiled_exchange_bytes(
+  measured = routing.compiled_exchange_bytes(
     plan, topo, table_arrays(embed), inputs, calls
   )
   return topo.exchange_of(plan.stacks[0]), measured
@@ -81,14 +81,14 @@ TOPOLOGIES = [(g, s) for g in (2, 4, 8) for s in (1, 2)]
 def test_compiled_step_collectives_equal_prediction(g, s, mode):
   chosen, measured = _compiled(g, s, mode)
   assert chosen.mode == mode
-  assert measured == {"step": getattr(chosen, mode).step}
+  assert measured == {"step": chosen.by_mode[mode].step}
 
 
 @pytest.mark.parametrize("mode", ["activations", "rows"])
 def test_compiled_lookup_and_update_equal_prediction(mode):
   # A lookup and an update compiled apart each send the routing.
   chosen, measured = _compiled(4, 2, mode, ("lookup", "update"))
-  predicted = getattr(chosen, mode)
+  predicted = chosen.by_mode[mode]
   assert measured == {"lookup": predicted.lookup, "update": predicted.update}
   assert predicted.lookup + predicted.update > predicted.step
 
@@ -114,7 +114,7 @@ def test_auto_picks_the_cheaper_exchange_per_stack():
     embed, _ = _layer(8, 1, "auto", ids_per_sample)
     chosen = embed.config.topology.exchange_of(embed.config.plan.stacks[0])
     assert chosen.mode == expected
-    costs = {m: getattr(chosen, m).step for m in ("activations", "rows")}
+    costs = {m: chosen.by_mode[m].step for m in ("activations", "rows")}
     assert costs[expected] == min(costs.values())
     assert chosen.reason.startswith(f"{expected} (chosen)")
 
@@ -125,13 +125,13 @@ def test_one_device_moves_nothing():
   assert chosen.mode == "local"
   plan, topo = embed.config.plan, embed.config.topology
   hlo = (
-    jax.jit(lambda t, i: parallel.lookup(plan, topo, t, i))
+    jax.jit(lambda t, i: routing.lookup(plan, topo, t, i))
     .lower(table_arrays(embed), inputs)
     .compile()
     .as_text()
   )
   assert exchange.compiled_bytes(hlo) == {}
-  assert chosen.rows.step == chosen.activations.step == 0
+  assert all(b.step == 0 for b in chosen.by_mode.values())
 
 
 def test_unknown_exchange_is_refused_then_a_good_one_builds():

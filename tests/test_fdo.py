@@ -1,9 +1,9 @@
-"""Tests of the FDO client and limit updates (pz_sparsecore.fdo).
+"""Tests of the FDO client and limit updates (pz_sparsecore.host.fdo).
 
 Expected statistics are written out by hand or recomputed with numpy
 (`np.maximum.reduce` over the recorded rows of several processes, `np.stack`
-of the records of a single one); the expected limits follow the upstream rule
-of notes section 5.
+of the records of a single one); the expected limits follow upstream's rule
+(`update_preprocessing_parameters`: the largest observed count, per stack).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pz_sparsecore import fdo, layout
-from pz_sparsecore.preprocess import SparseDenseMatmulInputStats
-from pz_sparsecore.specs import FeatureSpec, SGDOptimizerSpec, TableSpec
+from pz_sparsecore.core import layout
+from pz_sparsecore.core.specs import FeatureSpec, SGDOptimizerSpec, TableSpec
+from pz_sparsecore.host import fdo
+from pz_sparsecore.host.preprocess import SparseDenseMatmulInputStats
 
 
 def _stats(scale: int, drops: int = 0, stacks=("s1", "s2")):

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import fdo
 from pz_sparsecore.compat.lib.fdo import (
   csv_file_fdo_client,
   fdo_client,
   file_fdo_client,
 )
-from pz_sparsecore.preprocess import SparseDenseMatmulInputStats
+from pz_sparsecore.host import fdo
+from pz_sparsecore.host.preprocess import SparseDenseMatmulInputStats
 
 CLIENTS = {"npz": fdo.NPZFileFDOClient, "csv": fdo.CSVFileFDOClient}
 

@@ -22,8 +22,9 @@ import test_kernel_fuzz as fuzz
 from test_kernels import HYPERPARAMETERS, MLR, make_buffers
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import kernels, optimizers
-from pz_sparsecore.kernels import ffi
+from pz_sparsecore.core import optimizers
+from pz_sparsecore.device import kernels
+from pz_sparsecore.device.kernels import ffi
 
 
 def _gpus() -> list:

@@ -20,7 +20,7 @@ from penzai import pz
 from test_parallel import _batch, _feature_specs
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import buffer_format
+from pz_sparsecore.core import buffer_format
 from pz_sparsecore.nn.embed import SparseCoreEmbed
 
 TOPOLOGIES = [(1, 1), (1, 4), (2, 2), (4, 2), (8, 1)]

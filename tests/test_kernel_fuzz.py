@@ -28,9 +28,10 @@ import pytest
 from hypothesis import strategies as st
 from test_kernels import HYPERPARAMETERS, MLR, PAD, _slots
 
-from pz_sparsecore import buffer_format, kernels, optimizers
-from pz_sparsecore.kernels import contract, ffi
-from pz_sparsecore.kernels.contract import BufferShape
+from pz_sparsecore.core import buffer_format, optimizers
+from pz_sparsecore.device import kernels
+from pz_sparsecore.device.kernels import contract, ffi
+from pz_sparsecore.device.kernels.contract import BufferShape
 
 INT32_MIN = -(2**31)
 # A handler's INVALID_ARGUMENT: a ValueError when XLA reports it as the call

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import buffer_format, kernels, optimizers
+from pz_sparsecore.core import buffer_format, optimizers
+from pz_sparsecore.device import kernels
 
 PAD = buffer_format.PAD_ID
 MLR = "multiply_linear_by_learning_rate"
@@ -687,7 +688,7 @@ def _grad_positional(buf, kw):
 
 def test_handler_rejects_bad_operands_without_crashing():
   # Bypass the Python checks: the C++ handler must return an error.
-  from pz_sparsecore.kernels import contract, ffi
+  from pz_sparsecore.device.kernels import contract, ffi
 
   buf, table = _error_operands()
   shape = contract.check_buffers(*buf.args(), table, **buf.layout())
@@ -703,7 +704,7 @@ def test_handler_rejects_bad_operands_without_crashing():
 
 
 def test_backend_info_reports_this_build():
-  from pz_sparsecore.kernels import ffi
+  from pz_sparsecore.device.kernels import ffi
 
   info = pzsc.backend_info()
   assert info.load_error is None
@@ -731,7 +732,7 @@ import jax.numpy as jnp
 with warnings.catch_warnings(record=True) as caught:
   warnings.simplefilter("always")
   import pz_sparsecore as pzsc
-  from pz_sparsecore import kernels
+  from pz_sparsecore.device import kernels
   arrays = np.load(sys.argv[1])
   args = [jnp.asarray(arrays[k]) for k in ("rp", "ids", "sids", "gains", "t")]
   layout = json.loads(sys.argv[2])
@@ -793,7 +794,7 @@ class _OtherAbi:
 
 
 def test_abi_mismatch_is_an_error_not_a_fallback(monkeypatch):
-  from pz_sparsecore.kernels import ffi
+  from pz_sparsecore.device.kernels import ffi
 
   ext = ffi.check_extension(_OtherAbi(ffi.ABI_VERSION - 1), "/x/_pzsc_ffi.so")
   assert ext.mismatch and ext.module is None
@@ -822,7 +823,7 @@ def test_abi_mismatch_is_an_error_not_a_fallback(monkeypatch):
   reason="this build has CUDA handlers: nothing falls back on CUDA",
 )
 def test_reference_fallback_on_a_platform_warns_once(monkeypatch):
-  from pz_sparsecore.kernels import dispatch
+  from pz_sparsecore.device.kernels import dispatch
 
   monkeypatch.setattr(dispatch, "_warned", set())
   buf, table = _error_operands()

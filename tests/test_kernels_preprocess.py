@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pz_sparsecore import kernels
+from pz_sparsecore.device import kernels
 
-sp = pytest.importorskip("pz_sparsecore.specs")
-layout = pytest.importorskip("pz_sparsecore.layout")
-preprocess = pytest.importorskip("pz_sparsecore.preprocess")
+sp = pytest.importorskip("pz_sparsecore.core.specs")
+layout = pytest.importorskip("pz_sparsecore.core.layout")
+preprocess = pytest.importorskip("pz_sparsecore.host.preprocess")
 
 VOCAB, DIM, BATCH, NUM_SC = 40, 4, 8, 2
 

@@ -21,9 +21,10 @@ import jax
 import numpy as np
 import pytest
 
-from pz_sparsecore import _highwayhash, buffer_format, layout, minibatching
-from pz_sparsecore import preprocess as pp
-from pz_sparsecore import specs as sp
+from pz_sparsecore.core import buffer_format, layout
+from pz_sparsecore.core import specs as sp
+from pz_sparsecore.host import _highwayhash, minibatching
+from pz_sparsecore.host import preprocess as pp
 
 P = buffer_format.PAD_ID
 

@@ -29,7 +29,8 @@ import test_training as tt
 from test_kernels import _grad_call, _slots, _table, make_buffers, row_grads
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import kernels, specs
+from pz_sparsecore.core import specs
+from pz_sparsecore.device import kernels
 from pz_sparsecore.nn.training import SparseCoreTrainer
 
 DIM = 8

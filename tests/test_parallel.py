@@ -17,7 +17,9 @@ from jax.sharding import PartitionSpec as P
 from penzai import pz
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import layout, parallel, specs
+from pz_sparsecore.core import layout, specs
+from pz_sparsecore.device import routing
+from pz_sparsecore.device import topology as topology_lib
 from pz_sparsecore.nn.embed import SparseCoreEmbed
 from pz_sparsecore.nn.tables import table_arrays
 
@@ -251,7 +253,7 @@ def test_forward_matches_dense_reference(mesh_shape, num_sc, exchange):
 
 
 def test_lookup_entry_point_on_two_axis_mesh():
-  """`parallel.lookup` on positional arrays, sharding axis "model"."""
+  """`routing.lookup` on positional arrays, sharding axis "model"."""
   mesh = _mesh((2, 4))
   embed = SparseCoreEmbed.from_config(
     "emb",
@@ -266,7 +268,7 @@ def test_lookup_entry_point_on_two_axis_mesh():
   pzsc.set_logical_tables(embed, tables)
   ids, weights = _batch(6)
   inputs, _ = embed.preprocess(ids, weights)
-  acts = parallel.lookup(
+  acts = routing.lookup(
     embed.config.plan, embed.config.topology, table_arrays(embed), inputs
   )
   expected = dense_reference(
@@ -281,4 +283,4 @@ def test_lookup_entry_point_on_two_axis_mesh():
 
 def test_topology_rejects_unknown_axis():
   with pytest.raises(ValueError, match="mesh axis .model., which the mesh"):
-    parallel.Topology(_mesh((2,)), "model", 1)
+    topology_lib.Topology(_mesh((2,)), "model", 1)

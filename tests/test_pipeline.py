@@ -21,8 +21,8 @@ from jax.sharding import Mesh
 from penzai import pz
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import specs
-from pz_sparsecore.pipeline import PrefetchError, prefetch
+from pz_sparsecore.core import specs
+from pz_sparsecore.host.pipeline import PrefetchError, prefetch
 
 THREAD_NAME = "pzsc-prefetch"
 TIMEOUT_S = 5.0

@@ -1,7 +1,7 @@
-"""Tests of the host-side preprocessor (pz_sparsecore.preprocess).
+"""Tests of the host-side preprocessor (pz_sparsecore.host.preprocess).
 
-The numba preprocessor is checked against literal expected buffers (the
-worked examples of the research notes, verified against upstream), against
+The numba preprocessor is checked against literal expected buffers (worked
+examples whose buffers upstream's preprocessor 0.1.0 also writes), against
 the plain-Python reference in `reference_preprocess.py` byte for byte, and by
 decoding its buffers back into activations that are compared with a dense
 per-sample sum computed directly from the ids.
@@ -20,10 +20,10 @@ import pytest
 from hypothesis import strategies as st
 from reference_preprocess import reference_preprocess
 
-from pz_sparsecore import layout
-from pz_sparsecore import plan as plan_lib
-from pz_sparsecore import preprocess as pp
-from pz_sparsecore import specs as sp
+from pz_sparsecore.core import layout
+from pz_sparsecore.core import plan as plan_lib
+from pz_sparsecore.core import specs as sp
+from pz_sparsecore.host import preprocess as pp
 
 P = pp.PAD_ID
 NAN = np.nan
@@ -88,7 +88,7 @@ def assert_same(actual, expected):
 
 
 # ---------------------------------------------------------------------------
-# The worked examples (research notes 2.10, verified against upstream 0.1.0).
+# Worked examples (upstream 0.1.0 writes the same buffers).
 
 
 def example_specs(max_ids=8, max_unique=8, g=2, s=1, combiner="sum"):
@@ -543,7 +543,7 @@ def test_decoded_buffers_give_dense_activations(seed):
 
 
 def test_stacking_with_rotation_layout():
-  # Research notes 3.5: ta id 13 -> partition 2, local row 27.
+  # The layout docstring's example: ta id 13 -> partition 2, local row 27.
   ta = make_table("ta", 40, dim=6, combiner="sum")
   tb = make_table("tb", 72, dim=8, combiner="sum")
   specs = {

@@ -18,8 +18,9 @@ from penzai import pz
 from test_kernels import _forward, _table, dense_forward, make_buffers
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import kernels, layout
-from pz_sparsecore.kernels import reference
+from pz_sparsecore.core import layout
+from pz_sparsecore.device import kernels
+from pz_sparsecore.device.kernels import reference
 
 CONFIG = pzsc.QuantizationConfig(min_value=-0.5, max_value=0.75, num_buckets=6)
 

@@ -1,4 +1,4 @@
-"""Tests of the id reader (pz_sparsecore.ragged_input, csrc/ragged_reader.cc).
+"""Tests of the id reader (`host.ragged_input`, csrc/ragged_reader.cc).
 
 Every input format, dtype and memory layout must give the buffers and stats
 of the plain-Python reference preprocessor; the compiled reader must give
@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from reference_preprocess import reference_preprocess
 from test_preprocess import assert_same, make_feature, make_table
 
-from pz_sparsecore import layout, ragged_input
-from pz_sparsecore import preprocess as pp
+from pz_sparsecore.core import layout
+from pz_sparsecore.host import preprocess as pp
+from pz_sparsecore.host import ragged_input
 
 VOCABS = (50, 16, 1000)
 G, S = 4, 2

@@ -1,4 +1,4 @@
-"""Tests of sparse COO input (pz_sparsecore.sparse_coo).
+"""Tests of sparse COO input (pz_sparsecore.host.sparse_coo).
 
 A batch given as `(indices, values, dense_shape)` triples, or as BCOO
 leaves, must give byte for byte the buffers and stats of the same rows given
@@ -28,8 +28,9 @@ from test_preprocess import (
   random_problem,
 )
 
-from pz_sparsecore import layout, sparse_coo
-from pz_sparsecore import preprocess as pp
+from pz_sparsecore.core import layout
+from pz_sparsecore.host import coo_input, sparse_coo
+from pz_sparsecore.host import preprocess as pp
 
 
 def assert_bytes_equal(actual, expected):
@@ -95,7 +96,7 @@ def from_features(problem, weights, **kwargs):
 
 
 def test_worked_example():
-  ids, weights = sparse_coo.coo_rows(
+  ids, weights = coo_input.coo_rows(
     "f", [[2, 1], [0, 0], [2, 0], [0, 2]], [7, 3, 5, 4], [4, 3]
   )
   np.testing.assert_array_equal(ids[0], [3, 4, 5, 7])
@@ -104,7 +105,7 @@ def test_worked_example():
 
 
 def test_weights_follow_their_ids():
-  ids, weights = sparse_coo.coo_rows(
+  ids, weights = coo_input.coo_rows(
     "f", [[1, 0], [0, 1], [0, 0]], [7, 8, 9], [2, 2], [0.5, 2.0, 3.0]
   )
   np.testing.assert_array_equal(ids[0], [9, 8, 7])
@@ -116,32 +117,32 @@ def test_weights_follow_their_ids():
 def test_huge_dense_shape_sorts_without_overflow(width):
   """Keys over 2**63 (width 2**62) or too wide to carry positions (2**60)."""
   indices = np.array([[3, width // 2], [0, 5], [3, 1], [1, width - 1]])
-  ids, _ = sparse_coo.coo_rows("f", indices, [10, 11, 12, 13], [4, width])
+  ids, _ = coo_input.coo_rows("f", indices, [10, 11, 12, 13], [4, width])
   np.testing.assert_array_equal(ids[0], [11, 13, 12, 10])
   np.testing.assert_array_equal(ids[1], [0, 1, 2, 2, 4])
-  ids, _ = sparse_coo.coo_rows(
+  ids, _ = coo_input.coo_rows(
     "f", indices[[1, 3, 2, 0]], [11, 13, 12, 10], [4, width]
   )  # already sorted
   np.testing.assert_array_equal(ids[0], [11, 13, 12, 10])
   with pytest.raises(ValueError, match=r"\[3, \d+\] is given twice"):
-    sparse_coo.coo_rows("f", indices[[0, 1, 0]], [1, 2, 3], [4, width])
+    coo_input.coo_rows("f", indices[[0, 1, 0]], [1, 2, 3], [4, width])
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.uint32, np.uint64, np.int8])
 def test_index_dtypes(dtype):
   indices = np.array([[2, 1], [0, 0], [2, 0], [0, 2]], dtype)
-  ids, _ = sparse_coo.coo_rows("f", indices, [7, 3, 5, 4], [4, 3])
+  ids, _ = coo_input.coo_rows("f", indices, [7, 3, 5, 4], [4, 3])
   np.testing.assert_array_equal(ids[0], [3, 4, 5, 7])
   np.testing.assert_array_equal(ids[1], [0, 2, 2, 4, 4])
 
 
 def test_index_over_int64_raises():
   with pytest.raises(ValueError, match="feature 'f': index 18446744073709"):
-    sparse_coo.coo_rows("f", np.array([[0, 2**64 - 1]], np.uint64), [1], [1, 1])
+    coo_input.coo_rows("f", np.array([[0, 2**64 - 1]], np.uint64), [1], [1, 1])
 
 
 def test_empty_batch_parts():
-  ids, _ = sparse_coo.coo_rows("f", [], [], [3, 0])
+  ids, _ = coo_input.coo_rows("f", [], [], [3, 0])
   assert ids[0].dtype.kind == "i" and len(ids[0]) == 0
   np.testing.assert_array_equal(ids[1], [0, 0, 0, 0])
 

@@ -1,4 +1,4 @@
-"""Tests of the embedding spec proto (pz_sparsecore.spec_proto).
+"""Tests of the embedding spec proto (pz_sparsecore.core.spec_proto).
 
 The schema is checked against a table written out from upstream's
 `embedding_spec.proto` (jax-tpu-embedding 0.1.0), the wire format against
@@ -13,8 +13,8 @@ import pytest
 from google.protobuf import descriptor_pool, message_factory, text_format
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import spec_proto
 from pz_sparsecore.compat.lib.proto import embedding_spec_pb2
+from pz_sparsecore.core import spec_proto
 
 _PACKAGE = "third_party.py.jax_tpu_embedding.sparsecore_lib_proto"
 

@@ -1,4 +1,4 @@
-"""Tests of the table, feature and optimizer specs (pz_sparsecore.specs).
+"""Tests of the table, feature and optimizer specs (pz_sparsecore.core.specs).
 
 Expectations are literals from the upstream jax-tpu-embedding 0.1.0 API
 (constructor signatures, defaults, hyper-parameter orders) and numpy
@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pz_sparsecore import specs
-from pz_sparsecore.specs import (
+from pz_sparsecore.core import specs
+from pz_sparsecore.core.specs import (
   AdagradMomentumOptimizerSpec,
   AdagradOptimizerSpec,
   AdamOptimizerSpec,
@@ -55,7 +55,7 @@ def _params(cls) -> list[tuple[str, object]]:
 
 
 # ---------------------------------------------------------------------------
-# Signatures and defaults (notes section 11).
+# Signatures and defaults (upstream's, field by field).
 
 _OPTIMIZER_SIGNATURES = {
   SGDOptimizerSpec: [("learning_rate", 0.001)],

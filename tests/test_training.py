@@ -4,7 +4,8 @@ The model's loss is `sum_f sum(acts_f * C_f) + 0.5 * |w - target|^2` for
 fixed random `C_f`, so the gradient with respect to feature `f`'s
 activations is `C_f` and each referenced row's gradient is
 `sum over entries (b, j) with id r of gain_bj * C_f[b]`. The numpy reference
-applies every optimizer's per-row equations (research notes §4.3) once per
+applies every optimizer's per-row equations (as upstream writes them; the
+registry's docstrings in `pz_sparsecore.core.optimizers`) once per
 referenced row per step, with the true step for Adam's bias correction and
 for a step-dependent learning rate, and leaves every other row untouched.
 """
@@ -25,13 +26,13 @@ from penzai import pz
 from penzai.toolshed import basic_training
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import layout, specs
+from pz_sparsecore.core import layout, specs
+from pz_sparsecore.device.routing import TableGradientError
 from pz_sparsecore.nn.embed import SparseCoreEmbed
 from pz_sparsecore.nn.training import (
   NonFiniteUpdateError,
   SparseCoreTrainer,
 )
-from pz_sparsecore.parallel import TableGradientError
 
 BATCH = 32
 HOT_ID = 7  # Referenced by every sample: its gradient sums over all devices.

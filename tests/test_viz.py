@@ -9,9 +9,10 @@ import pytest
 import treescope
 from treescope import layout_algorithms, lowering, rendering_parts
 
-from pz_sparsecore import layout, specs, viz
+from pz_sparsecore.core import layout, specs
+from pz_sparsecore.host.preprocess import PAD_ID, SparseDenseMatmulInputStats
 from pz_sparsecore.nn import SparseCoreEmbed
-from pz_sparsecore.preprocess import PAD_ID, SparseDenseMatmulInputStats
+from pz_sparsecore.viz import figures as viz
 
 NUM_DEVICES = 4
 BATCH = 16
@@ -174,7 +175,7 @@ def test_spec_summaries(embed):
   )
   # Roundtrip mode keeps a valid constructor call.
   text = treescope.render_to_text(fa.table_spec, roundtrip_mode=True)
-  assert text.startswith("pz_sparsecore.specs.TableSpec(\n  name='ta',")
+  assert text.startswith("pz_sparsecore.core.specs.TableSpec(\n  name='ta',")
   assert "#" not in text
 
 

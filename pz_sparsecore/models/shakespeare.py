@@ -28,7 +28,7 @@ import optax
 from jax.sharding import Mesh
 from penzai import pz
 
-from pz_sparsecore import specs
+from pz_sparsecore.core import specs
 from pz_sparsecore.models.shakespeare_config import RunConfig
 from pz_sparsecore.nn.embed import SparseCoreEmbed
 from pz_sparsecore.nn.jit import variable_jit
@@ -238,7 +238,10 @@ def _refresh_limits(
     `(max_ids_per_partition, max_unique_ids_per_partition,
     suggested_coo_buffer_size_per_device)`.
   """
-  from pz_sparsecore.fdo import scale_stats, update_preprocessing_parameters
+  from pz_sparsecore.host.fdo import (
+    scale_stats,
+    update_preprocessing_parameters,
+  )
   from pz_sparsecore.nn.respec import with_feature_specs
 
   fdo.publish()
@@ -272,7 +275,7 @@ def _prefetched(
     A `prefetch` pipeline of `(inputs, stats, labels)`; the first is
     batch number `first_step`.
   """
-  from pz_sparsecore.pipeline import prefetch
+  from pz_sparsecore.host.pipeline import prefetch
 
   def prepare(numbered):
     step, (context, labels) = numbered
@@ -361,7 +364,7 @@ def run(
   import uuid
 
   from pz_sparsecore.data import ShakespeareData
-  from pz_sparsecore.fdo import NPZFileFDOClient
+  from pz_sparsecore.host.fdo import NPZFileFDOClient
   from pz_sparsecore.nn.training import SparseCoreTrainer
 
   if config.devices > jax.device_count():

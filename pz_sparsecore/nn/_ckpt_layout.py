@@ -36,9 +36,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pz_sparsecore import parallel
-from pz_sparsecore import plan as plan_lib
-from pz_sparsecore.buffer_format import round_up
+from pz_sparsecore.core import plan as plan_lib
+from pz_sparsecore.core.buffer_format import round_up
+from pz_sparsecore.device import topology as topology_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +131,7 @@ def stack_layout(plan: plan_lib.Plan, stack: plan_lib.StackPlan) -> StackLayout:
 
 
 def read_sharding(
-  stored: StackLayout, topology: parallel.Topology
+  stored: StackLayout, topology: topology_lib.Topology
 ) -> tuple[NamedSharding, tuple[int, int, int]]:
   """How to read a stored stack onto `topology`'s mesh for `relayout`.
 

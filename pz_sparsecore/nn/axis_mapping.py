@@ -35,7 +35,7 @@ from typing import Any
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pz_sparsecore import parallel
+from pz_sparsecore.device import topology as topology_lib
 from pz_sparsecore.nn.tables import SHARD_AXIS
 
 MeshAxes = tuple[str, ...]
@@ -81,8 +81,8 @@ def shard_axes(
   """
   mapping = dict(axis_name_to_mesh_name or {})
   if sharding_axis is not None and SHARD_AXIS in mapping:
-    given = parallel.mesh_axes(mesh, sharding_axis, "sharding_axis")
-    mapped = parallel.mesh_axes(mesh, mapping[SHARD_AXIS], SHARD_AXIS)
+    given = topology_lib.mesh_axes(mesh, sharding_axis, "sharding_axis")
+    mapped = topology_lib.mesh_axes(mesh, mapping[SHARD_AXIS], SHARD_AXIS)
     if given != mapped:
       raise ValueError(
         f"sharding_axis {sharding_axis!r} and axis_name_to_mesh_name"
@@ -96,7 +96,7 @@ def shard_axes(
 
 
 def resolve(
-  topology: parallel.Topology,
+  topology: topology_lib.Topology,
   axis_name_to_mesh_name: Mapping[str, Any] | None,
   features: Sequence[tuple[str, tuple[str, ...], tuple[int, ...]]],
   embedding_axis: str,
@@ -120,7 +120,7 @@ def resolve(
   mesh = topology.mesh
   given = dict(axis_name_to_mesh_name or {})
   resolved = {
-    name: parallel.mesh_axes(mesh, value, f"axis name {name!r}")
+    name: topology_lib.mesh_axes(mesh, value, f"axis name {name!r}")
     for name, value in given.items()
   }
   resolved[SHARD_AXIS] = topology.axes

@@ -36,9 +36,17 @@ import numpy as np
 from jax.sharding import Mesh
 from penzai import pz
 
-from pz_sparsecore import exchange as exchange_lib
-from pz_sparsecore import input_check, layout, parallel
-from pz_sparsecore import plan as plan_lib
+from pz_sparsecore.core import layout
+from pz_sparsecore.core import plan as plan_lib
+from pz_sparsecore.core.specs import FeatureSpec
+from pz_sparsecore.device import input_check, routing
+from pz_sparsecore.device import topology as topology_lib
+from pz_sparsecore.host.preprocess import (
+  PreprocessedInput,
+  SparseDenseMatmulInputStats,
+  input_shapes,
+  preprocess_for_plan,
+)
 from pz_sparsecore.nn import axis_mapping as axis_mapping_lib
 from pz_sparsecore.nn.probe import ActivationProbe
 from pz_sparsecore.nn.tables import (
@@ -49,13 +57,6 @@ from pz_sparsecore.nn.tables import (
   slot_arrays,
   table_arrays,
 )
-from pz_sparsecore.preprocess import (
-  PreprocessedInput,
-  SparseDenseMatmulInputStats,
-  input_shapes,
-  preprocess_for_plan,
-)
-from pz_sparsecore.specs import FeatureSpec
 
 __all__ = [
   "ROW_AXIS",
@@ -84,7 +85,7 @@ class EmbedConfig:
 
   name: str
   plan: plan_lib.Plan
-  topology: parallel.Topology
+  topology: topology_lib.Topology
   feature_axes: tuple[tuple[str, ...], ...]
   embedding_axis: str
   axis_mapping: axis_mapping_lib.AxisMapping
@@ -130,7 +131,7 @@ def _feature_axes(
 def _make_config(
   name: str,
   feature_specs: Any,
-  topology: parallel.Topology,
+  topology: topology_lib.Topology,
   feature_axes: Any,
   embedding_axis: str,
   axis_name_to_mesh_name: Mapping[str, Any] | None = None,
@@ -327,7 +328,7 @@ class SparseCoreEmbed(pz.nn.Layer):
       embedding_axis: Name of the embedding axis.
       exchange: How lookups cross devices: `"auto"` (per stack, the mode
         with fewer predicted bytes per device), `"activations"` or `"rows"`
-        (see `pz_sparsecore.exchange`).
+        (see `pz_sparsecore.device.exchange`).
       axis_name_to_mesh_name: Penzai-style placement
         (`pz.toolshed.sharding_util`): the layer's axis names (`"sc_shard"`,
         the tables' shard axis; each feature's sample axes; the embedding
@@ -347,8 +348,8 @@ class SparseCoreEmbed(pz.nn.Layer):
     """
     if not isinstance(mesh, Mesh):
       raise ValueError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
-    parallel.check_mesh(mesh)
-    topology = parallel.Topology(
+    topology_lib.check_mesh(mesh)
+    topology = topology_lib.Topology(
       mesh,
       axis_mapping_lib.shard_axes(mesh, axis_name_to_mesh_name, sharding_axis),
       num_sc_per_device,
@@ -387,7 +388,7 @@ class SparseCoreEmbed(pz.nn.Layer):
       batch_number: The batch's index (unused; kept for compatibility).
       allow_id_dropping: Drop ids over the limits instead of raising.
       enable_minibatching: Split a batch over the limits into minibatches
-        that each keep them (`pz_sparsecore.minibatching`); the layer and
+        that each keep them (`pz_sparsecore.host.minibatching`); the layer and
         the trainer loop over them. The buffers are 64 times larger.
       all_reduce: With minibatching over several processes, how they agree
         on the split (`minibatching.AllReduce`); None uses JAX's
@@ -444,7 +445,7 @@ class SparseCoreEmbed(pz.nn.Layer):
     _check_inputs(config, inputs)
     if side_inputs.get("validate", False):
       self.validate(inputs)
-    acts = parallel.lookup(
+    acts = routing.lookup(
       config.plan, config.topology, table_arrays(self), inputs
     )
     if self.activation_probe is not None:
@@ -466,7 +467,7 @@ class SparseCoreEmbed(pz.nn.Layer):
     """Checks hand-built buffers' contents before they are used.
 
     `preprocess` always writes valid buffers; buffers built otherwise may
-    hold entries the kernels skip (see `pz_sparsecore.input_check`).
+    hold entries the kernels skip (see `pz_sparsecore.device.input_check`).
     `SparseCoreTrainer` runs this on its first step.
 
     Args:
@@ -483,12 +484,11 @@ class SparseCoreEmbed(pz.nn.Layer):
         f"SparseCoreEmbed {config.name!r}: validate needs concrete buffers; "
         "call embed.validate(inputs) outside jit, before the jitted call"
       )
-    rows = [
-      stack.name
+    modes = {
+      stack.name: config.topology.exchange_of(stack).mode
       for stack in config.plan.stacks
-      if config.topology.exchange_of(stack).mode == exchange_lib.ROWS
-    ]
-    input_check.validate_input(config.plan, inputs, rows)
+    }
+    input_check.validate_input(config.plan, inputs, modes)
 
   def apply_gradients(
     self,
@@ -511,7 +511,7 @@ class SparseCoreEmbed(pz.nn.Layer):
     """
     config = self.config
     _check_inputs(config, inputs)
-    tables, slots = parallel.apply_gradients(
+    tables, slots = routing.apply_gradients(
       config.plan,
       config.topology,
       table_arrays(self),
@@ -523,13 +523,13 @@ class SparseCoreEmbed(pz.nn.Layer):
     assign_arrays(self, tables, slots)
 
   def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
-    from pz_sparsecore import _treescope
+    from pz_sparsecore.viz import treescope as _treescope
 
     return _treescope.render_embed(self, path, subtree_renderer)
 
   def treescope_summary(self) -> str:
     """The one-line summary Treescope shows for the collapsed layer."""
-    from pz_sparsecore import _treescope
+    from pz_sparsecore.viz import treescope as _treescope
 
     return _treescope.embed_summary(self)
 
@@ -607,7 +607,7 @@ def _flatten_samples(config: EmbedConfig, tree: Any, what: str) -> Any:
   return jax.tree.unflatten(treedef, out)
 
 
-def _local_device_count(topo: parallel.Topology) -> int:
+def _local_device_count(topo: topology_lib.Topology) -> int:
   """Positions along the shard axis whose devices this process owns."""
   names = list(topo.mesh.axis_names)
   devices = np.moveaxis(
@@ -635,7 +635,9 @@ def _input_shapes(config: EmbedConfig, minibatched: bool) -> PreprocessedInput:
   """Global `jax.ShapeDtypeStruct`s of `preprocess`'s buffers (with
   `enable_minibatching` when `minibatched`)."""
   topo = config.topology
-  plan = plan_lib.minibatched(config.plan) if minibatched else config.plan
+  plan = (
+    plan_lib.with_minibatch_buffers(config.plan) if minibatched else config.plan
+  )
   return jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(
       (x.shape[0] * topo.num_devices,), x.dtype, sharding=topo.sharding(1)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from penzai import pz
 
-from pz_sparsecore.plan import Plan
+from pz_sparsecore.core.plan import Plan
 
 
 @pz.pytree_dataclass

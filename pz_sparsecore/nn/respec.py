@@ -30,10 +30,11 @@ from typing import Any
 import jax
 from penzai import pz
 
-from pz_sparsecore import fdo, layout
-from pz_sparsecore import plan as plan_lib
+from pz_sparsecore.core import layout
+from pz_sparsecore.core import plan as plan_lib
+from pz_sparsecore.host import fdo
+from pz_sparsecore.host.preprocess import SparseDenseMatmulInputStats
 from pz_sparsecore.nn.embed import SparseCoreEmbed
-from pz_sparsecore.preprocess import SparseDenseMatmulInputStats
 
 # The fields FDO may change; set to one value each before comparing stacks.
 _LIMITS = dict(

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from penzai import pz
 
-from pz_sparsecore import layout
+from pz_sparsecore.core import layout
 from pz_sparsecore.nn.host import from_host, to_host
 
 if TYPE_CHECKING:

@@ -61,7 +61,10 @@ import jax.numpy as jnp
 import optax
 from penzai import pz
 
-from pz_sparsecore import parallel
+from pz_sparsecore.device import guard as guard_lib
+from pz_sparsecore.device import routing
+from pz_sparsecore.host.pipeline import prefetch
+from pz_sparsecore.host.preprocess import PreprocessedInput
 from pz_sparsecore.nn.embed import (
   SparseCoreEmbed,
   find_embeds,
@@ -70,8 +73,6 @@ from pz_sparsecore.nn.embed import (
 )
 from pz_sparsecore.nn.probe import ActivationProbe, zero_probes
 from pz_sparsecore.nn.tables import slot_arrays, table_arrays
-from pz_sparsecore.pipeline import prefetch
-from pz_sparsecore.preprocess import PreprocessedInput
 
 
 class NonFiniteUpdateError(FloatingPointError):
@@ -221,7 +222,7 @@ def _updates(
   Returns:
     The new dense parameters, optimizer state, by label the new positional
     tables and slots of the layers in `active`, and with `guard` one
-    `parallel.UpdateGuard` per layer in `active` (else an empty list).
+    `guard_lib.UpdateGuard` per layer in `active` (else an empty list).
   """
   updates, opt_state = optimizer_def.update(
     grads.dense, state.opt_state, dense_params
@@ -230,7 +231,7 @@ def _updates(
   by_label, guards = {}, []
   for embed, inputs, act_grads in active:
     config = embed.config
-    tables, slots, *guarded = parallel.apply_gradients(
+    tables, slots, *guarded = routing.apply_gradients(
       config.plan,
       config.topology,
       table_arrays(embed),
@@ -276,7 +277,7 @@ def _finite_flags(
 def _undone_unless_finite(
   finite: dict[str, jax.Array],
   active: list[tuple[SparseCoreEmbed, Any, dict[str, jax.Array]]],
-  guards: list[parallel.UpdateGuard],
+  guards: list[guard_lib.UpdateGuard],
   new: dict[str, jax.Array],
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Adds the updated rows' flags to `finite`; undoes every layer's update
@@ -301,7 +302,7 @@ def _undone_unless_finite(
       )
       for s in config.plan.stacks
     }
-    tables, slots = parallel.undo_unless(
+    tables, slots = guard_lib.undo_unless(
       config.plan, config.topology, tables, slots, guard, ok
     )
     out.update(_labelled(embed, tables, slots))

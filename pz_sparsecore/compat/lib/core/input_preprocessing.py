@@ -2,7 +2,7 @@
 
 Upstream's module is a readable Python reference of SparseCore input
 preprocessing for one table on one device. Here the buffers come from
-pz_sparsecore's own preprocessor (`pz_sparsecore.preprocess`), run on a
+pz_sparsecore's own preprocessor (`pz_sparsecore.host.preprocess`), run on a
 one-feature, one-table spec (combiner "sum", vocabulary covering the largest
 id, no stacking offsets or rotation) with one local device out of
 `len(mesh.devices)`. With no rotation and offset, pz_sparsecore's MOD layout
@@ -47,8 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import pz_sparsecore as pzsc
-from pz_sparsecore import buffer_format, ragged_input
 from pz_sparsecore.compat.utils import utils
+from pz_sparsecore.core import buffer_format
+from pz_sparsecore.host import ragged_input
 
 __all__ = ["preprocess_sparse_dense_matmul_input"]
 

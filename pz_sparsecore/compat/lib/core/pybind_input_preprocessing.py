@@ -7,9 +7,9 @@ specs, as upstream's extension does, and return its tuple:
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
+from pz_sparsecore.compat.lib.core._sharding import ShardingStrategy
 from pz_sparsecore.compat.lib.nn import embedding
 from pz_sparsecore.compat.lib.nn.embedding import (
   compute_coo_buffer_size_per_device,
@@ -26,12 +26,6 @@ __all__ = [
   "preprocess_sparse_dense_matmul_input",
   "preprocess_sparse_dense_matmul_sparse_coo_input",
 ]
-
-
-class ShardingStrategy(enum.Enum):
-  """How table rows are spread over SparseCores (MOD only)."""
-
-  MOD = 1
 
 
 def _as_tuple(result: tuple[Any, Any]) -> tuple[Any, ...]:

@@ -1,5 +1,5 @@
 """jax-tpu-embedding's `lib/fdo/file_fdo_client`: statistics in NPZ files."""
 
-from pz_sparsecore.fdo import NPZFileFDOClient
+from pz_sparsecore.host.fdo import NPZFileFDOClient
 
 __all__ = ["NPZFileFDOClient"]

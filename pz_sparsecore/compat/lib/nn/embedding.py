@@ -14,19 +14,16 @@ from typing import Any, NamedTuple, TypeVar, Union
 import jax
 import numpy as np
 
-from pz_sparsecore import (
-  buffer_format,
-  fdo,
-  layout,
-  minibatching,
-  parallel,
-  sparse_coo,
-)
-from pz_sparsecore import plan as plan_lib
-from pz_sparsecore import preprocess as pz_preprocess
+from pz_sparsecore.compat.lib.core._sharding import ShardingStrategy
 from pz_sparsecore.compat.lib.nn import embedding_spec, table_stacking
 from pz_sparsecore.compat.utils import utils
-from pz_sparsecore.preprocess import PreprocessedInput
+from pz_sparsecore.core import buffer_format, layout
+from pz_sparsecore.core import plan as plan_lib
+from pz_sparsecore.device import routing
+from pz_sparsecore.device import topology as topology_lib
+from pz_sparsecore.host import fdo, minibatching, sparse_coo
+from pz_sparsecore.host import preprocess as pz_preprocess
+from pz_sparsecore.host.preprocess import PreprocessedInput
 
 __all__ = [
   "ArrayLike",
@@ -208,14 +205,12 @@ def compute_coo_buffer_size_per_device(
 
 def sharding_strategy_to_enum(sharding_strategy: str) -> Any:
   """The `ShardingStrategy` of a name; only MOD exists."""
-  from pz_sparsecore.compat.lib.core import pybind_input_preprocessing
-
   if sharding_strategy.upper() != "MOD":
     raise ValueError(
       f"Unsupported sharding strategy: {sharding_strategy}. Only MOD is "
       "supported."
     )
-  return pybind_input_preprocessing.ShardingStrategy.MOD
+  return ShardingStrategy.MOD
 
 
 def preprocess_sparse_dense_matmul_input(
@@ -320,8 +315,8 @@ def create_proto_from_feature_specs(
   global_device_count: int | None,
   num_sparsecore_per_device: int | None = None,
 ) -> Any:
-  """The `EmbeddingSpecProto` of the specs (see `pz_sparsecore.spec_proto`)."""
-  from pz_sparsecore import spec_proto
+  """The `EmbeddingSpecProto` of the specs (`pz_sparsecore.core.spec_proto`)."""
+  from pz_sparsecore.core import spec_proto
 
   return spec_proto.create_proto_from_feature_specs(
     embedding_spec.to_pz(feature_specs),
@@ -444,7 +439,7 @@ def _device_call(
     )
   sharding_strategy_to_enum(sparse_coo.strategy_name(sharding_strategy))
   _check_feature_names(feature_specs)
-  topo = parallel.shard_map_topology(_num_sc(num_sc_per_device))
+  topo = topology_lib.shard_map_topology(_num_sc(num_sc_per_device))
   if global_device_count is not None and (
     global_device_count != topo.num_devices
   ):
@@ -488,7 +483,7 @@ def tpu_sparse_dense_matmul(
 ) -> Any:
   """One device's activations, inside `jax.shard_map` (upstream's pattern).
 
-  Runs pz_sparsecore's lookup of every stack (`parallel.local_lookup`: the
+  Runs pz_sparsecore's lookup of every stack (`routing.local_lookup`: the
   FFI kernel and the exchange over the `shard_map`'s axis) on the device's
   buffers and table shards (`[S * V_shard, D]`, as `init_embedding_variables`
   lays them out). With `enable_minibatching`, the inputs are minibatched
@@ -515,7 +510,7 @@ def tpu_sparse_dense_matmul(
     sharding_strategy=sharding_strategy,
     minibatched=enable_minibatching,
   )
-  acts = parallel.local_lookup(
+  acts = routing.local_lookup(
     plan, topo, tables, inputs, unstack=perform_unstacking
   )
   return _by_feature(feature_specs, acts) if perform_unstacking else acts
@@ -554,7 +549,7 @@ def tpu_sparse_dense_matmul_grad(
   """One device's fused update, inside `jax.shard_map` (upstream's pattern).
 
   Every row the batch references gets its gradient summed over all devices'
-  samples and the stack's optimizer once (`parallel.local_update`), in place
+  samples and the stack's optimizer once (`routing.local_update`), in place
   when the variables are donated.
 
   Without `perform_stacking`, `activation_gradients` are per stack (as
@@ -592,12 +587,12 @@ def tpu_sparse_dense_matmul_grad(
   else:
     grads = dict(activation_gradients)
   slots = {name: tuple(v[1]) for name, v in embedding_variables.items()}
-  hyper = parallel.hyperparameters(plan, 0 if step is None else step)
-  options = parallel.UpdateOptions(
+  hyper = routing.hyperparameters(plan, 0 if step is None else step)
+  options = routing.UpdateOptions(
     stacked_grads=not perform_stacking,
     bounds=_bounds(plan, embedding_var_limits),
   )
-  updated = parallel.local_update(
+  updated = routing.local_update(
     plan, topo, tables, slots, inputs, grads, hyper, options=options
   )
   return {

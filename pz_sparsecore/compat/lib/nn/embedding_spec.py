@@ -23,9 +23,9 @@ from typing import Any
 
 import jax
 
-from pz_sparsecore import specs as pz
 from pz_sparsecore.compat.lib.core.primitives import optimizer_primitives
-from pz_sparsecore.specs import (
+from pz_sparsecore.core import specs as pz
+from pz_sparsecore.core.specs import (
   FeatureIdTransformation,
   QuantizationConfig,
   StackedTableSpec,

@@ -14,9 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pz_sparsecore import layout
 from pz_sparsecore.compat.lib.nn import embedding_spec
-from pz_sparsecore.layout import compute_physical_row_ids, get_default_limits
+from pz_sparsecore.core import layout
+from pz_sparsecore.core.layout import (
+  compute_physical_row_ids,
+  get_default_limits,
+)
 
 __all__ = [
   "auto_stack_tables",
@@ -136,7 +139,7 @@ def _split_groups_by_memory_limit(
 
 
 # ---------------------------------------------------------------------------
-# The same on an `EmbeddingSpecProto` (`pz_sparsecore.spec_proto`).
+# The same on an `EmbeddingSpecProto` (`pz_sparsecore.core.spec_proto`).
 
 
 def _physical_rows(stack: Any, table: Any) -> np.ndarray:

@@ -1,0 +1,116 @@
+"""The types that cross stages: one batch's buffers and its stats.
+
+`host.preprocess` writes them, `device` reads the buffers, `host.fdo` reads
+the stats, `nn` passes both along and `viz` draws them. Their format is
+`buffer_format`'s; the worked example is in `host.preprocess`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PreprocessedInput:
+  """The CSR-wrapped COO buffers of one batch, per stack name.
+
+  Shapes are `[L, R_dev]` / `[L, C_dev]` with `has_leading_dimension=True`,
+  else flat `[L * R_dev]` / `[L * C_dev]`.
+
+  Attributes:
+    lhs_row_pointers: int32 partition ends, `max(N, 8)` per SparseCore.
+    lhs_embedding_ids: int32 row of the id inside its owner's shard.
+    lhs_sample_ids: int32 SparseCore-local sample of the id.
+    lhs_gains: float32 weight of the entry.
+    num_minibatches: None, or for minibatched buffers (`minibatching`)
+      int32 `[L]` (`[L, 1]` with a leading dimension): every device's
+      number of minibatches, the same on all.
+  """
+
+  lhs_row_pointers: dict[str, Any]
+  lhs_embedding_ids: dict[str, Any]
+  lhs_sample_ids: dict[str, Any]
+  lhs_gains: dict[str, Any]
+  num_minibatches: Any = None
+
+  def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
+    from pz_sparsecore.viz import treescope as _treescope
+
+    return _treescope.render_inputs(self, path, subtree_renderer)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SparseDenseMatmulInputStats:
+  """Per-stack statistics of one batch, measured before any dropping.
+
+  Attributes:
+    max_ids_per_partition: int32 `[L * N]`: for local device `d` and
+      partition `p`, the most (sample, id) pairs one of the device's
+      SparseCores sends to `p`.
+    max_unique_ids_per_partition: int32 `[L * N]`: the same for distinct ids.
+    required_buffer_size_per_sc: int32 `[L * S]`: COO entries each
+      SparseCore needs, `sum_p r8(pairs_p)`.
+    id_drop_counters: The number of raw ids dropped (limits or overflow).
+  """
+
+  max_ids_per_partition: dict[str, Any] = dataclasses.field(
+    default_factory=dict
+  )
+  max_unique_ids_per_partition: dict[str, Any] = dataclasses.field(
+    default_factory=dict
+  )
+  required_buffer_size_per_sc: dict[str, Any] = dataclasses.field(
+    default_factory=dict
+  )
+  id_drop_counters: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def get_required_buffer_size_per_device(
+    self, stack_name: str, num_sc_per_device: int | None = None
+  ) -> int | None:
+    """COO entries one device needs for `stack_name`, or None if unknown.
+
+    The largest per-SparseCore need times the SparseCores per device
+    (`num_sc_per_device`, by default the number of recorded values).
+    """
+    if stack_name not in self.required_buffer_size_per_sc:
+      return None
+    values = np.asarray(self.required_buffer_size_per_sc[stack_name])
+    num_sc = num_sc_per_device or values.size
+    return int(np.max(values) * num_sc) if values.size else None
+
+  def set_required_buffer_size_per_device(
+    self,
+    stack_name: str,
+    required_buffer_size_per_device: int,
+    num_sc_per_device: int | None = None,
+  ) -> None:
+    """Records `required_buffer_size_per_device` for `stack_name`.
+
+    Stored per SparseCore (the size divided evenly over `num_sc_per_device`
+    values, by default as many as already recorded for the stack).
+
+    Raises:
+      ValueError: If the stack has no recorded value and `num_sc_per_device`
+        is not given.
+    """
+    current = self.required_buffer_size_per_sc.get(stack_name)
+    num_sc = num_sc_per_device or (0 if current is None else np.size(current))
+    if not num_sc:
+      raise ValueError(
+        "num_sc_per_device must be provided if the table is not present "
+        f"(stack {stack_name!r} has no required_buffer_size_per_sc yet)."
+      )
+    self.required_buffer_size_per_sc[stack_name] = np.full(
+      num_sc, required_buffer_size_per_device / num_sc
+    )
+
+  def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
+    from pz_sparsecore.viz import treescope as _treescope
+
+    return _treescope.render_stats(self, path, subtree_renderer)

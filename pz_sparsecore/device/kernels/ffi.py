@@ -1,0 +1,357 @@
+"""Loading and registration of the C++ XLA FFI handlers, and their wrappers.
+
+The compiled extension ``pz_sparsecore._pzsc_ffi`` exposes one PyCapsule per
+handler and platform; importing this module loads it, checks its ABI version
+against :data:`ABI_VERSION` and registers every handler with
+``jax.ffi.register_ffi_target`` (CPU always; CUDA, the forward and every
+fused optimizer, for a build with the CUDA handlers: built by default where
+nvcc and a GPU are found, see ``docs/gpu.md``).
+
+Nothing about the choice is silent:
+
+* The extension fails to load (not built, a broken file): importing this
+  module warns once (:class:`KernelFallbackWarning`, naming the error) and
+  every call runs the pure-JAX reference.
+* The extension loads but was built for another ABI version (a stale build):
+  no handler is registered and every call that would run one raises
+  :class:`ExtensionMismatchError`; only ``implementation="reference"`` runs.
+* :func:`pz_sparsecore.backend_info` reports which file was loaded (or why
+  none was) and which implementation runs for every target and platform.
+
+The environment variable ``PZSC_FFI_LIBRARY`` (a path to a built
+``_pzsc_ffi*.so``) loads that file instead of the installed extension, under
+the same module name: e.g. a sanitizer build (``make test-asan``).
+
+The backward targets update the table and slots in place: they are aliased
+to the results (``input_output_aliases``), so a caller that donates them
+(``jax.jit(..., donate_argnums=...)``) gets an O(batch) step. Without
+donation XLA copies them first, which is correct but O(table).
+
+Every handler takes the buffer shape as one dictionary attribute, ``layout``
+(``LayoutAttrs`` in ``csrc/coo_layout.h``). Every backward handler binds the
+same attributes (``csrc/sparse_dense_matmul_grad.cc``): the layout, the clip
+range and the static attributes of every optimizer in the registry. A call
+passes its optimizer's static attributes and the others' defaults, e.g. an
+SGD call passes ``multiply_linear_by_learning_rate=False`` (FTRL's switch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pz_sparsecore import _extension
+from pz_sparsecore.core import optimizers
+from pz_sparsecore.device.kernels import contract
+
+ABI_VERSION = 6
+"""The handlers' ABI this package was written for (``kAbiVersion`` in
+``csrc/module.cc``)."""
+
+LIBRARY_ENV = "PZSC_FFI_LIBRARY"
+"""Environment variable: a path to the extension to load instead of the
+installed one."""
+
+MODULE_NAME = "pz_sparsecore._pzsc_ffi"
+FORWARD_TARGET = "pzsc_sparse_dense_matmul"
+CHECK_TARGET = "pzsc_check_coo"
+
+
+class KernelFallbackWarning(RuntimeWarning):
+  """The pure-JAX reference runs where a compiled handler was expected."""
+
+
+class ExtensionMismatchError(ImportError):
+  """The compiled extension was built for another ABI version."""
+
+
+def grad_target(optimizer: str) -> str:
+  """The FFI target name of the fused backward for ``optimizer``."""
+  return f"pzsc_sparse_dense_matmul_grad_{optimizer}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Extension:
+  """The outcome of loading the compiled extension.
+
+  Attributes:
+    module: The loaded, ABI-compatible module, else None.
+    path: The file it was loaded from (or asked for), if known.
+    abi_version: The ABI version the file reports, if it loaded.
+    error: Why no handler can run, or None.
+    mismatch: Whether the file loaded but has another ABI version.
+  """
+
+  module: ModuleType | None
+  path: str | None
+  abi_version: int | None
+  error: str | None
+  mismatch: bool = False
+
+
+def _load_file(path: str) -> ModuleType:
+  """Loads the extension from ``path`` under :data:`MODULE_NAME`."""
+  return _extension.load_file(path, MODULE_NAME)
+
+
+def check_extension(module: Any, path: str | None) -> Extension:
+  """Checks a loaded extension's ABI version against :data:`ABI_VERSION`.
+
+  Args:
+    module: The loaded extension module.
+    path: The file it was loaded from.
+
+  Returns:
+    The extension, usable if its version matches; else a mismatch (no
+    module) whose error names the file, both versions and the fix.
+  """
+  version = getattr(module, "abi_version", None)
+  abi = int(version()) if callable(version) else None
+  if abi != ABI_VERSION:
+    return Extension(
+      None,
+      path,
+      abi,
+      f"{path} has ABI version {abi} but this pz_sparsecore expects "
+      f"{ABI_VERSION}: rebuild the extension (pip install -e .) or unset "
+      f"{LIBRARY_ENV}.",
+      mismatch=True,
+    )
+  return Extension(module, path, abi, None)
+
+
+def _load() -> Extension:
+  path = os.environ.get(LIBRARY_ENV) or None
+  try:
+    module = _load_file(path) if path else importlib.import_module(MODULE_NAME)
+  except (ImportError, OSError) as e:
+    source = path or MODULE_NAME
+    return Extension(None, path, None, f"{source}: {type(e).__name__}: {e}")
+  return check_extension(module, getattr(module, "__file__", path))
+
+
+def _register(extension: Extension) -> dict[str, frozenset[str]]:
+  if extension.module is None:
+    return {}
+  platforms = {}
+  for name, capsules in extension.module.registrations().items():
+    for platform, capsule in capsules.items():
+      jax.ffi.register_ffi_target(name, capsule, platform=platform)
+    platforms[name] = frozenset(p.lower() for p in capsules)
+  return platforms
+
+
+EXTENSION: Extension = _load()
+_PLATFORMS: dict[str, frozenset[str]] = _register(EXTENSION)
+if EXTENSION.error is not None and not EXTENSION.mismatch:
+  warnings.warn(
+    f"pz_sparsecore: the compiled kernels could not be loaded "
+    f"({EXTENSION.error}); every kernel call runs the pure-JAX reference.",
+    KernelFallbackWarning,
+    stacklevel=2,
+  )
+
+
+def available(target: str = FORWARD_TARGET, platform: str = "cpu") -> bool:
+  """Whether a compiled handler for ``target`` exists on ``platform``."""
+  return platform.lower() in _PLATFORMS.get(target, frozenset())
+
+
+def platforms(target: str) -> frozenset[str]:
+  """The platforms (lower case) with a compiled handler for ``target``."""
+  return _PLATFORMS.get(target, frozenset())
+
+
+def require_compatible() -> None:
+  """Raises if the extension loaded but was built for another ABI.
+
+  Raises:
+    ExtensionMismatchError: With the file, both versions and the fix.
+  """
+  if EXTENSION.mismatch:
+    raise ExtensionMismatchError(EXTENSION.error)
+
+
+def _shape_attrs(
+  shape: contract.BufferShape,
+) -> dict[str, dict[str, np.int64]]:
+  """The handlers' dictionary attribute ``layout`` (``LayoutAttrs``)."""
+  return {
+    "layout": {
+      "num_segments": np.int64(shape.num_segments),
+      "samples_per_segment": np.int64(shape.samples_per_segment),
+      "num_partitions": np.int64(shape.num_partitions),
+      "rows_per_partition": np.int64(shape.rows_per_partition),
+      "partition_begin": np.int64(shape.partition_begin),
+    }
+  }
+
+
+#: The backward handlers' static attributes with their defaults: the union of
+#: the registry's (the handlers bind them all, whatever the optimizer).
+_STATIC_DEFAULTS: dict[str, Any] = {
+  name: value
+  for info in optimizers.REGISTRY.values()
+  for name, value in contract.static_attribute_defaults(info).items()
+}
+
+
+def check_coo(
+  row_pointers: jax.Array,
+  embedding_ids: jax.Array,
+  sample_ids: jax.Array,
+  gains: jax.Array,
+  table: jax.Array,
+  shape: contract.BufferShape,
+) -> jax.Array:
+  """Runs the backward's input pass alone (:data:`CHECK_TARGET`).
+
+  The pass decodes the row pointers (an error if they decrease), checks
+  every slice's ids are sorted and makes sorted copies of those that are
+  not, exactly as the fused backward does before its first write. Used to
+  measure its cost; the layer never calls it.
+
+  Returns:
+    An int32 scalar: the number of slices that needed a sorted copy.
+  """
+  call = jax.ffi.ffi_call(
+    CHECK_TARGET, jax.ShapeDtypeStruct((), jnp.int32), vmap_method="sequential"
+  )
+  return call(
+    row_pointers, embedding_ids, sample_ids, gains, table, **_shape_attrs(shape)
+  )
+
+
+def _static_attrs(static_attributes: Mapping[str, Any]) -> dict[str, Any]:
+  """Every handler's static attribute, the call's value or its default.
+
+  Static attributes are switches: the handlers bind them as ``bool``.
+
+  Raises:
+    TypeError: If a value is not a bool.
+  """
+  attrs = {}
+  for name, value in {**_STATIC_DEFAULTS, **static_attributes}.items():
+    if not isinstance(value, (bool, np.bool_)):
+      raise TypeError(
+        f"static attribute {name!r} must be a bool, got {value!r}."
+      )
+    attrs[name] = np.bool_(value)
+  return attrs
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+  """The manual mesh axes ``x`` varies over (empty outside ``shard_map``)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)
+  return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def _unify_vma(operands: Sequence[jax.Array]) -> tuple[list, tuple[str, ...]]:
+  """Inside ``shard_map``, makes all operands vary over the same mesh axes.
+
+  ``ffi_call`` needs operands with equal varying-manual-axes sets and types
+  its results as invariant; the wrappers cast the results back to varying
+  over the returned axes (the handlers compute per-shard values).
+  """
+  vma = frozenset().union(*(_varying_axes(x) for x in operands))
+  axes = tuple(sorted(vma))
+  if not axes:
+    return list(operands), axes
+  out = []
+  for x in operands:
+    missing = tuple(a for a in axes if a not in _varying_axes(x))
+    out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+  return out, axes
+
+
+def _to_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  missing = tuple(a for a in axes if a not in _varying_axes(x))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def sparse_dense_matmul(
+  row_pointers: jax.Array,
+  embedding_ids: jax.Array,
+  sample_ids: jax.Array,
+  gains: jax.Array,
+  table: jax.Array,
+  shape: contract.BufferShape,
+  quantization: tuple[float, float, int] | None = None,
+) -> jax.Array:
+  """Calls the forward handler (validated operands; see ``ops``)."""
+  out_type = jax.ShapeDtypeStruct((shape.num_outputs, shape.dim), jnp.float32)
+  call = jax.ffi.ffi_call(FORWARD_TARGET, out_type, vmap_method="sequential")
+  operands, axes = _unify_vma(
+    (row_pointers, embedding_ids, sample_ids, gains, table)
+  )
+  lo, hi, buckets = quantization or (0.0, 0.0, 0)
+  attrs = {
+    "quantization": {
+      "min_value": np.float32(lo),
+      "max_value": np.float32(hi),
+      "num_buckets": np.int64(buckets),
+    }
+  }
+  return _to_varying(call(*operands, **_shape_attrs(shape), **attrs), axes)
+
+
+def sparse_dense_matmul_grad(
+  activation_grad: jax.Array,
+  row_pointers: jax.Array,
+  embedding_ids: jax.Array,
+  sample_ids: jax.Array,
+  gains: jax.Array,
+  table: jax.Array,
+  slots: Sequence[jax.Array],
+  shape: contract.BufferShape,
+  *,
+  optimizer: str,
+  hyperparameters: jax.Array,
+  clip: tuple[float, float] | None = None,
+  static_attributes: Mapping[str, Any] | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+  """Calls the fused backward handler (validated operands; see ``ops``)."""
+  slots = tuple(slots)
+  state_type = jax.ShapeDtypeStruct(table.shape, jnp.float32)
+  first_state = 5  # Operand index of the table.
+  call = jax.ffi.ffi_call(
+    grad_target(optimizer),
+    (state_type,) * (1 + len(slots)),
+    input_output_aliases={first_state + i: i for i in range(1 + len(slots))},
+    vmap_method="sequential",
+  )
+  lo, hi = clip if clip is not None else (-np.inf, np.inf)
+  operands, axes = _unify_vma(
+    (
+      activation_grad,
+      row_pointers,
+      embedding_ids,
+      sample_ids,
+      gains,
+      table,
+      *slots,
+      hyperparameters,
+    )
+  )
+  new_table, *new_slots = call(
+    *operands,
+    **_shape_attrs(shape),
+    clip=np.bool_(clip is not None),
+    clip_min=np.float32(lo),
+    clip_max=np.float32(hi),
+    **_static_attrs(static_attributes or {}),
+  )
+  return _to_varying(new_table, axes), tuple(
+    _to_varying(s, axes) for s in new_slots
+  )

@@ -1,0 +1,525 @@
+"""Lookup and fused update of row-sharded stacks over a device mesh.
+
+Every stack is one physical array `[N, V_shard, D]` (N = G devices x S
+SparseCores) sharded over the topology's sharding axis (`topology`): device
+`d` holds shards (partitions) `d*S .. d*S+S-1`. Each device also holds its
+own slice of the batch, preprocessed into S segments of CSR-wrapped COO
+buffers whose partitions `p` are in order, so the entries for the S
+partitions owned by device `q` are contiguous in every segment.
+
+Per device, under `shard_map`, every stack goes through its *exchange*
+(`exchange`: `local` on one device, else `activations` or `rows`, priced
+and picked per stack by `Topology.exchange_of`): the mode's `lookup` gives
+the stack's `[S*B_sc, D]` activations, sliced here into each feature's (its
+`n_f` samples at offset `row_offset / N` of every SparseCore block, its
+first `dim_f` columns); for the fused update the mode's `owner_operands`
+bring the gradient and buffers to the owner, whose FFI backward sums every
+referenced row's gradient over all of them and applies the optimizer once
+to the row and its slots, in place. The full table never leaves its
+devices. Minibatched buffers run the same per-device functions once per
+minibatch (`minibatching`); `guard` reads what undoing an update needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from pz_sparsecore.core.plan import Plan, StackPlan, single_minibatch
+from pz_sparsecore.core.preprocessed import PreprocessedInput
+from pz_sparsecore.device import exchange as exchange_lib
+from pz_sparsecore.device import guard as guard_lib
+from pz_sparsecore.device import kernels, minibatching
+from pz_sparsecore.device.topology import Topology, check_plan
+
+
+class TableGradientError(ValueError):
+  """A dense gradient was requested for a SparseCore table."""
+
+
+# ---------------------------------------------------------------------------
+# Per-device pieces (run inside shard_map).
+
+
+def _local_buffers(stack: StackPlan, inputs: PreprocessedInput):
+  """The stack's buffers of the local batch."""
+  return (
+    inputs.lhs_row_pointers[stack.name],
+    inputs.lhs_embedding_ids[stack.name],
+    inputs.lhs_sample_ids[stack.name],
+    inputs.lhs_gains[stack.name],
+  )
+
+
+def _local_lookup(
+  stack: StackPlan, topo: Topology, table, inputs, unstack: bool = True
+):
+  s, b = topo.num_sc_per_device, stack.samples_per_sc
+  mode = topo.exchange_of(stack).module
+  acts = mode.lookup(stack, topo, table, _local_buffers(stack, inputs))
+  if not unstack:
+    return {stack.name: acts.reshape(s * b, stack.dim)}
+  acts = acts.reshape(s, b, stack.dim)
+  return {
+    f.name: acts[
+      :, f.sample_offset : f.sample_offset + f.samples_per_sc, : f.dim
+    ].reshape(-1, f.dim)
+    for f in stack.features
+  }
+
+
+def _local_update(
+  stack: StackPlan,
+  topo: Topology,
+  table,
+  slots,
+  inputs,
+  grads,
+  hyper,
+  guard,
+  options: UpdateOptions,
+):
+  """The fused update of one stack's local shards.
+
+  With `guard`, also returns what undoing it needs: the local rows the
+  batch references (out of range for invalid entries), their values and
+  their slots' values before the update, and whether every updated row and
+  slot value is finite (all O(batch)). With bounds in `options`, the rows
+  the batch updates are clipped to them (O(batch), in place).
+  """
+  stacked = _stacked_grad(stack, topo, grads, options.stacked_grads)
+  stacked, buffers, shape = _owner_operands(stack, topo, inputs, stacked)
+  slots = tuple(slots)
+  bounds = options.bounds.get(stack.name)
+  rows = None
+  if guard or bounds is not None:
+    rows = guard_lib.referenced_rows(buffers, table, shape)
+  if guard:
+    old = (
+      guard_lib.rows_of(table, rows),
+      tuple(guard_lib.rows_of(x, rows) for x in slots),
+    )
+    hyper = hyper + guard_lib.zero_depending_on(old)
+  # The [S, V_shard, D] table goes in without a reshape: a reshape around
+  # the in-place update makes XLA copy the whole table.
+  new_table, new_slots = kernels.sparse_dense_matmul_grad(
+    stacked,
+    *buffers,
+    table,
+    slots,
+    optimizer=stack.optimizer.definition,
+    hyperparameters=hyper,
+    static_attributes=stack.optimizer.static_attributes(),
+    **shape,
+  )
+  if bounds is not None:
+    clipped = jnp.clip(guard_lib.rows_of(new_table, rows), *bounds)
+    new_table = guard_lib.put_rows(new_table, rows, clipped)
+  if not guard:
+    return new_table, new_slots
+  finite = jnp.all(
+    jnp.stack(
+      [
+        jnp.all(jnp.isfinite(guard_lib.rows_of(x, rows)))
+        for x in (new_table, *new_slots)
+      ]
+    )
+  )
+  bad = jax.lax.psum(jnp.int32(~finite), topo.axis)
+  return new_table, new_slots, (rows, *old, bad == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateOptions:
+  """How `local_update` takes its gradients and bounds its rows.
+
+  Attributes:
+    stacked_grads: The gradients are per stack (`[S * B_sc, D]`, the
+      features' samples stacked as in the buffers) instead of per feature.
+    bounds: Stack name -> `(min, max)` (either None for no bound): every
+      row the batch updates is clipped to it after the optimizer.
+  """
+
+  stacked_grads: bool = False
+  bounds: Mapping[str, tuple[Any, Any]] = dataclasses.field(
+    default_factory=dict
+  )
+
+
+def _stacked_grad(stack: StackPlan, topo: Topology, grads, stacked: bool):
+  """The `[S * B_sc, D]` gradient of the stack's local activations."""
+  if stacked:
+    return jnp.reshape(grads[stack.name], (-1, stack.dim))
+  s = topo.num_sc_per_device
+  parts = []
+  for f in stack.features:
+    grad = grads[f.name].reshape(s, f.samples_per_sc, f.dim)
+    parts.append(jnp.pad(grad, ((0, 0), (0, 0), (0, stack.dim - f.dim))))
+  return jnp.concatenate(parts, axis=1).reshape(-1, stack.dim)
+
+
+def _owner_operands(stack: StackPlan, topo: Topology, inputs, grad):
+  """The fused update's gradient, buffers and sizes on the owner.
+
+  `grad` is the `[S * B_sc, D]` gradient of the local activations.
+  """
+  mode = topo.exchange_of(stack).module
+  return mode.owner_operands(stack, topo, _local_buffers(stack, inputs), grad)
+
+
+# ---------------------------------------------------------------------------
+# Global entry points.
+
+
+def local_lookup(
+  plan: Plan,
+  topo: Topology,
+  tables: dict[str, jax.Array],
+  inputs,
+  *,
+  unstack: bool = True,
+) -> dict[str, jax.Array]:
+  """Per device, inside `shard_map`: feature name -> local activations.
+
+  `tables` hold the device's shards (`[S, V_shard, D]` or `[S * V_shard,
+  D]`), `inputs` its buffers; activations are `[S * n_f, dim_f]`. Without
+  `unstack`, stack name -> the stack's `[S * B_sc, D]` activations (its
+  features' samples stacked as in the buffers, padded to the stack's dim).
+  """
+  if inputs.num_minibatches is not None:
+    return _minibatched_lookup(plan, topo, tables, inputs, unstack)
+  out = {}
+  for stack in plan.stacks:
+    out.update(_local_lookup(stack, topo, tables[stack.name], inputs, unstack))
+  return out
+
+
+def local_update(
+  plan: Plan,
+  topo: Topology,
+  tables,
+  slots,
+  inputs,
+  grads,
+  hyper,
+  guard=False,
+  options: UpdateOptions = UpdateOptions(),
+) -> dict[str, tuple[Any, ...]]:
+  """Per device, inside `shard_map`: stack name -> the fused update's
+  `(table, slots)`, and with `guard` what undoing it needs (`apply_gradients`
+  describes the arguments; `hyper` from `hyperparameters`; `options` for
+  stacked gradients and bounded rows)."""
+  if inputs.num_minibatches is not None:
+
+    def update(small, tables, slots, part):
+      return local_update(
+        small, topo, tables, slots, part, grads, hyper, guard, options
+      )
+
+    return _minibatched_update(plan, topo, tables, slots, inputs, update, guard)
+  return {
+    stack.name: _local_update(
+      stack,
+      topo,
+      tables[stack.name],
+      slots[stack.name],
+      inputs,
+      grads,
+      hyper[stack.name],
+      guard,
+      options,
+    )
+    for stack in plan.stacks
+  }
+
+
+# Minibatched buffers (`minibatching`): the same per-device functions, once
+# per minibatch, on the minibatch's segments in the buffer format of
+# `plan.single_minibatch(plan)`.
+
+
+def _minibatched_lookup(plan: Plan, topo: Topology, tables, inputs, unstack):
+  """The minibatches' activations, summed (a sample's ids may lie in
+  several)."""
+  small = single_minibatch(plan)
+
+  def lookup(m):
+    part = minibatching.minibatch_inputs(plan, inputs, m)
+    return local_lookup(small, topo, tables, part, unstack=unstack)
+
+  def body(m, acts):
+    part = lookup(m)
+    return {name: acts[name] + part[name] for name in acts}
+
+  # There is always a minibatch 0; the rest add to it.
+  count = minibatching.num_minibatches(inputs, topo.axis)
+  return jax.lax.fori_loop(1, count, body, lookup(0))
+
+
+def _minibatched_update(
+  plan: Plan, topo: Topology, tables, slots, inputs, one, guard
+):
+  """The fused update, minibatch after minibatch: a row lies in one
+  minibatch, so it is updated once, with all its gradient. `one(small_plan,
+  tables, slots, minibatch_inputs)` is `local_update` of one minibatch.
+  With `guard`, the minibatches' guards are stacked (`guard.stacked_guards`)
+  and flattened at the end."""
+  small = single_minibatch(plan)
+
+  def update(m, tables, slots):
+    part = minibatching.minibatch_inputs(plan, inputs, m)
+    out = one(small, tables, slots, part)
+    return (
+      {k: v[0] for k, v in out.items()},
+      {k: tuple(v[1]) for k, v in out.items()},
+      {k: v[2] for k, v in out.items()} if guard else {},
+    )
+
+  def body(m, state):
+    tables, slots, guards = state
+    tables, slots, part = update(m, tables, slots)
+    return tables, slots, guard_lib.put_guard(guards, part, m)
+
+  count = minibatching.num_minibatches(inputs, topo.axis)
+  first = update(0, dict(tables), {k: tuple(v) for k, v in slots.items()})
+  state = (first[0], first[1], guard_lib.stacked_guards(first[0], first[2]))
+  tables, slots, guards = jax.lax.fori_loop(1, count, body, state)
+  return {
+    name: (tables[name], slots[name], *guard_lib.flat_guard(guards, name))
+    for name in tables
+  }
+
+
+def _input_specs(topo: Topology, inputs: PreprocessedInput):
+  return jax.tree.map(lambda _: P(topo.axis), inputs)
+
+
+# Jitted so that an eager call (outside any jit) compiles once and is cached
+# instead of running the shard_map body op by op (tens of seconds).
+@functools.partial(jax.jit, static_argnums=0)
+def _lookup_impl(static, tables, inputs):
+  plan, topo = static
+
+  def body(tables, inputs):
+    return local_lookup(plan, topo, tables, inputs)
+
+  return jax.shard_map(
+    body,
+    mesh=topo.mesh,
+    in_specs=(
+      {stack.name: P(topo.axis) for stack in plan.stacks},
+      _input_specs(topo, inputs),
+    ),
+    out_specs={name: P(topo.axis) for name in plan.features},
+    check_vma=False,
+  )(tables, inputs)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _lookup(static, tables, inputs):
+  return _lookup_impl(static, tables, inputs)
+
+
+@functools.partial(_lookup.defjvp, symbolic_zeros=True)
+def _lookup_jvp(static, primals, tangents):
+  tables, inputs = primals
+  for tangent in jax.tree.leaves(tangents[0]):
+    if not isinstance(tangent, jax.custom_derivatives.SymbolicZero):
+      raise TableGradientError(
+        "SparseCoreEmbed tables never take a dense gradient: differentiate "
+        "with respect to the activations and apply the fused update "
+        "(SparseCoreTrainer, or SparseCoreEmbed.apply_gradients); do not "
+        "pass table parameters to jax.grad or an optax optimizer"
+      )
+  out = _lookup_impl(static, tables, inputs)
+  return out, jax.tree.map(jnp.zeros_like, out)
+
+
+def lookup(
+  plan: Plan,
+  topology: Topology,
+  tables: dict[str, jax.Array],
+  inputs: PreprocessedInput,
+) -> dict[str, jax.Array]:
+  """Activations of every feature, `[samples_f, dim_f]`, sharded on batch.
+
+  Args:
+    plan: The plan of the layer's specs on the topology.
+    topology: Mesh, sharding axis, SparseCores per device.
+    tables: Stack name → `[N, V_shard, D]` float32, sharded over the axis.
+    inputs: Flat buffers (`has_leading_dimension=False`), `[G * size]`,
+      sharded over the axis.
+
+  Returns:
+    Feature name → float32 `[global samples, dim]`, in global sample order.
+
+  Raises:
+    TableGradientError: If differentiated with respect to the tables.
+  """
+  check_plan(plan, topology)
+  return _lookup((plan, topology), tables, inputs)
+
+
+def apply_gradients(
+  plan: Plan,
+  topology: Topology,
+  tables: dict[str, jax.Array],
+  slots: dict[str, tuple[jax.Array, ...]],
+  inputs: PreprocessedInput,
+  activation_grads: dict[str, jax.Array],
+  step: jax.Array | int,
+  *,
+  guard: bool = False,
+) -> tuple[Any, ...]:
+  """Fused backward + optimizer update of every stack, on its own shards.
+
+  Each referenced row's gradient is summed over every sample of every
+  device before the stack's optimizer runs once on the row and its slots.
+  The kernels update in place: donate `tables` and `slots` (e.g.
+  `jax.jit(..., donate_argnums=...)`) or XLA copies them first.
+
+  Args:
+    plan: The plan of the layer's specs on the topology.
+    topology: Mesh, sharding axis, SparseCores per device.
+    tables: Stack name → `[N, V_shard, D]`.
+    slots: Stack name → the optimizer's slots, each shaped like the table.
+    inputs: The buffers the activations were looked up with.
+    activation_grads: Feature name → `[samples_f, dim_f]` gradient of the
+      loss with respect to the feature's activations.
+    step: The training step (0-based), for step-dependent optimizers.
+    guard: Also return what `undo_unless` needs to take the update back
+      (the referenced rows are read first, O(batch); the update stays in
+      place).
+
+  Returns:
+    `(new_tables, new_slots)`, and with `guard` an `UpdateGuard`.
+  """
+  check_plan(plan, topology)
+  new_tables, new_slots, *parts = _apply_impl(
+    (plan, topology),
+    guard,
+    tables,
+    slots,
+    inputs,
+    activation_grads,
+    hyperparameters(plan, step),
+  )
+  if not guard:
+    return new_tables, new_slots
+  fields = zip(*(parts[0][stack.name] for stack in plan.stacks), strict=True)
+  names = [stack.name for stack in plan.stacks]
+  return (
+    new_tables,
+    new_slots,
+    guard_lib.UpdateGuard(
+      *(dict(zip(names, field, strict=True)) for field in fields)
+    ),
+  )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _apply_impl(static, guard, tables, slots, inputs, activation_grads, hyper):
+  plan, topology = static
+
+  def body(tables, slots, inputs, grads, hyper):
+    outs = local_update(
+      plan, topology, tables, slots, inputs, grads, hyper, guard
+    )
+    count = 3 if guard else 2
+    return tuple({k: v[i] for k, v in outs.items()} for i in range(count))
+
+  axis = P(topology.axis)
+  table_specs = {stack.name: axis for stack in plan.stacks}
+  slot_specs = {
+    stack.name: tuple(axis for _ in slots[stack.name]) for stack in plan.stacks
+  }
+  out = [table_specs, slot_specs]
+  if guard:
+    out.append({k: (axis, axis, v, P()) for k, v in slot_specs.items()})
+  return jax.shard_map(
+    body,
+    mesh=topology.mesh,
+    in_specs=(
+      table_specs,
+      slot_specs,
+      _input_specs(topology, inputs),
+      {name: axis for name in activation_grads},
+      {stack.name: P() for stack in plan.stacks},
+    ),
+    out_specs=tuple(out),
+    check_vma=False,
+  )(tables, slots, inputs, activation_grads, hyper)
+
+
+def hyperparameters(plan: Plan, step: jax.Array | int):
+  """Stack name -> its optimizer's hyper-parameters at `step`."""
+  return {
+    stack.name: jnp.stack(
+      [
+        jnp.asarray(h, jnp.float32)
+        for h in stack.optimizer.get_hyperparameters(step)
+      ]
+    )
+    for stack in plan.stacks
+  }
+
+
+def compiled_exchange_bytes(
+  plan: Plan,
+  topology: Topology,
+  tables: dict[str, jax.Array],
+  inputs: PreprocessedInput,
+  calls: tuple[str, ...] = ("lookup", "update", "step"),
+) -> dict[str, int]:
+  """Collective bytes per device of the compiled lookup, update and step.
+
+  Compiles (without running) a lookup, an `apply_gradients` call with SGD
+  slots left empty, and a train step doing both in one jit (gradients made
+  from the activations, so XLA keeps every collective), and counts their
+  collectives with `exchange.compiled_bytes`. Meant for checking
+  `exchange.predict_bytes` on layers whose stacks all use SGD.
+
+  Args:
+    plan: The plan of the layer's specs on the topology.
+    topology: Mesh, sharding axis, SparseCores per device, exchange.
+    tables: Stack name → `[N, V_shard, D]`.
+    inputs: Buffers for the tables.
+    calls: Which of the three to compile.
+
+  Returns:
+    `{"lookup": ..., "update": ..., "step": ...}` in bytes per device (the
+    `calls` asked for).
+  """
+  slots = {name: () for name in tables}
+
+  def look(tables, inputs):
+    return lookup(plan, topology, tables, inputs)
+
+  def update(tables, inputs, grads):
+    return apply_gradients(plan, topology, tables, slots, inputs, grads, 0)
+
+  def step(tables, inputs):
+    acts = look(tables, inputs)
+    return update(tables, inputs, {k: 2.0 * v for k, v in acts.items()})
+
+  grads = jax.eval_shape(look, tables, inputs)
+  programs = {
+    "lookup": (look, (tables, inputs)),
+    "update": (update, (tables, inputs, grads)),
+    "step": (step, (tables, inputs)),
+  }
+  return {
+    name: sum(
+      exchange_lib.compiled_bytes(
+        jax.jit(fn).lower(*args).compile().as_text()
+      ).values()
+    )
+    for name, (fn, args) in programs.items()
+    if name in calls
+  }

@@ -1,0 +1,40 @@
+"""Figures of how tables are laid out, and Treescope renderers.
+
+`figures` draws which rows of which logical table live on which device and
+SparseCore, tables in vocabulary order, and the per-partition id counts
+against the limits; `treescope` renders the package's objects (specs,
+plans, buffers, stats, layers) as compact Treescope summaries. The stages
+below import `treescope` lazily, from their `__treescope_repr__` hooks only.
+"""
+
+from __future__ import annotations
+
+from pz_sparsecore.viz.figures import (
+  MAX_COLUMNS,
+  PADDING_COLOR,
+  TABLE_COLORS,
+  describe,
+  over_limit_partitions,
+  row_owner_figure,
+  row_placement,
+  shard_map_figure,
+  shard_table_index,
+  stats_heatmap,
+  table_values_figure,
+  to_html,
+)
+
+__all__ = [
+  "MAX_COLUMNS",
+  "PADDING_COLOR",
+  "TABLE_COLORS",
+  "describe",
+  "over_limit_partitions",
+  "row_owner_figure",
+  "row_placement",
+  "shard_map_figure",
+  "shard_table_index",
+  "stats_heatmap",
+  "table_values_figure",
+  "to_html",
+]

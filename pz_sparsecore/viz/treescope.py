@@ -1,0 +1,489 @@
+"""Treescope renderings of pz_sparsecore's objects (private; see `viz`).
+
+Every object renders as `Type(summary)` when collapsed. Expanded, the
+summary becomes a comment on the first line, a few comment lines give the
+derived facts (per stack: member tables, limits, buffer fill) and the real
+attributes follow, rendered by Treescope as usual, so arrays keep their array
+view and every copy path stays a valid attribute path. In roundtrip mode the
+comments disappear and the node reads like an ordinary constructor call.
+
+The `__treescope_repr__` methods of `SparseCoreEmbed`, `PreprocessedInput`,
+`SparseDenseMatmulInputStats` and the spec classes import this module lazily
+and call `render`. The plain-text summaries (`summary`, `details`) are the
+ones `viz.describe` prints.
+
+Stack details come from the `plan.Plan` of the layer's specs; the number of
+valid entries of concrete buffers is `buffer_format.count_valid_entries`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from treescope import formatting_util, renderers, rendering_parts
+
+from pz_sparsecore.core import buffer_format
+from pz_sparsecore.core.plan import Plan, StackPlan
+from pz_sparsecore.core.specs import (
+  FeatureSpec,
+  OptimizerSpec,
+  StackedTableSpec,
+  TableSpec,
+)
+
+Renderer = renderers.TreescopeSubtreeRenderer
+
+
+# ---------------------------------------------------------------------------
+# Small text helpers.
+
+
+def optimizer_summary(optimizer: OptimizerSpec) -> str:
+  """`adagrad(lr=0.1)`: the optimizer's kernel name and learning rate."""
+  lr = optimizer.learning_rate
+  lr_text = "schedule" if callable(lr) else f"{lr:g}"
+  return f"{optimizer.short_name()}(lr={lr_text})"
+
+
+def table_rows_per_shard(table: TableSpec, num_shards: int) -> int:
+  """Rows of each shard that a member table of a stack occupies."""
+  return table.setting_in_stack.padded_vocab_size // num_shards
+
+
+def _is_concrete(x: Any) -> bool:
+  """Whether `x` holds readable host or device data (not a tracer/shape)."""
+  if isinstance(x, np.ndarray):
+    return True
+  if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+    return False
+  return x.is_fully_addressable
+
+
+def _shape_text(x: Any) -> str:
+  dtype = np.dtype(x.dtype).name
+  return f"{dtype}{list(x.shape)}"
+
+
+# ---------------------------------------------------------------------------
+# Summaries (plain text, shared with `viz.describe`).
+
+
+def plan_summary(plan: Plan) -> str:
+  """One line: features, stacks (rows/shard x dim), devices x SCs."""
+  stacks = ", ".join(
+    f"{stack.name}[{stack.rows_per_shard} rows/shard x {stack.dim}]"
+    for stack in plan.stacks
+  )
+  return (
+    f"{len(plan.feature_specs)} features, stacks {stacks}; "
+    f"{plan.num_devices} devices x {plan.num_sc_per_device} SC"
+  )
+
+
+def embed_summary(embed: Any) -> str:
+  """One line: name, then the plan's summary on the sharding axis."""
+  config = embed.config
+  return (
+    f"{config.name!r}: {plan_summary(config.plan)} on {config.topology.axis!r}"
+  )
+
+
+def stack_details(plan: Plan, stack: StackPlan) -> list[str]:
+  """Lines describing one stack: its spec, then one line per member table."""
+  spec, n = stack.spec, plan.num_shards
+  lines = [
+    f"stack {stack.name!r}: {n} shards x {stack.rows_per_shard} rows x "
+    f"{stack.dim}, {optimizer_summary(spec.optimizer)}, {spec.combiner}, "
+    f"{spec.total_sample_count} samples, limits ids "
+    f"{spec.max_ids_per_partition} / unique "
+    f"{spec.max_unique_ids_per_partition}"
+  ]
+  for table in stack.tables:
+    setting = table.setting_in_stack
+    rows = table_rows_per_shard(table, n)
+    start = setting.row_offset_in_shard
+    features = ", ".join(
+      f.name for f in plan.feature_specs if f.table_spec.name == table.name
+    )
+    lines.append(
+      f"  {table.name}: vocab {table.vocabulary_size} x "
+      f"{table.embedding_dim}, rows [{start}, {start + rows}) of each shard, "
+      f"rotation {setting.shard_rotation}; features {features}"
+    )
+  return lines
+
+
+def plan_details(plan: Plan) -> list[str]:
+  """The stacks of a plan, as `stack_details` lines."""
+  return [line for stack in plan.stacks for line in stack_details(plan, stack)]
+
+
+def mapping_line(mapping: Any) -> str:
+  """Which named axis of the layer lives on which mesh axes."""
+  placed, replicated = [], []
+  for name, mesh_axes in mapping.names:
+    if not mesh_axes:
+      replicated.append(name)
+    else:
+      where = repr(mesh_axes[0]) if len(mesh_axes) == 1 else repr(mesh_axes)
+      placed.append(f"{name} -> {where}")
+  if replicated:
+    placed.append(f"{', '.join(replicated)} -> replicated")
+  return "mesh axes: " + "; ".join(placed)
+
+
+def embed_details(embed: Any) -> list[str]:
+  """The stacks of a `SparseCoreEmbed`: `stack_details` lines, each stack
+  followed by the exchange it uses on the layer's topology and why."""
+  plan, topology = embed.config.plan, embed.config.topology
+  lines = [mapping_line(embed.config.axis_mapping)]
+  for stack in plan.stacks:
+    lines += stack_details(plan, stack)
+    lines.append(f"  exchange: {topology.exchange_of(stack).reason}")
+  return lines
+
+
+def spec_summary(spec: Any) -> str:
+  """A short summary of a `TableSpec`, `FeatureSpec` or `StackedTableSpec`."""
+  if isinstance(spec, TableSpec):
+    text = (
+      f"{spec.name!r}: {spec.vocabulary_size} x {spec.embedding_dim}, "
+      f"{optimizer_summary(spec.optimizer)}, {spec.combiner}"
+    )
+    if spec.stacked_table_spec is not None:
+      setting = spec.setting_in_stack
+      text += (
+        f"; in {setting.stack_name!r} at row {setting.row_offset_in_shard}, "
+        f"rotation {setting.shard_rotation}"
+      )
+    return text
+  if isinstance(spec, FeatureSpec):
+    text = (
+      f"{spec.name!r} -> {spec.table_spec.name!r}: input "
+      f"{list(spec.input_shape)}, output {list(spec.output_shape)}"
+    )
+    if spec.id_transformation is not None:
+      start = spec.id_transformation.row_offset
+      stack = spec.table_spec.setting_in_stack.stack_name
+      text += f"; samples [{start}, {start + spec.sample_count}) of {stack!r}"
+    return text
+  if isinstance(spec, StackedTableSpec):
+    return (
+      f"{spec.stack_name!r}: {spec.stack_vocab_size} x "
+      f"{spec.stack_embedding_dim}, {optimizer_summary(spec.optimizer)}, "
+      f"{spec.combiner}, {spec.total_sample_count} samples, limits "
+      f"{spec.max_ids_per_partition} / {spec.max_unique_ids_per_partition}"
+    )
+  raise TypeError(f"not a spec: {type(spec).__name__}")
+
+
+def inputs_details(inputs: Any, num_shards: int | None = None) -> list[str]:
+  """Per stack: buffer sizes and, for concrete arrays, the valid entries."""
+  lines = []
+  for stack, rp in inputs.lhs_row_pointers.items():
+    ids = inputs.lhs_embedding_ids[stack]
+    size = int(np.prod(ids.shape))
+    line = (
+      f"{stack}: row pointers {_shape_text(rp)}, COO buffers {_shape_text(ids)}"
+    )
+    if _is_concrete(rp) and _is_concrete(ids):
+      valid = buffer_format.count_valid_entries(rp, ids, num_shards)
+      line += f"; {valid} valid entries of {size} ({valid / size:.1%})"
+    lines.append(line)
+  return lines
+
+
+def inputs_summary(inputs: Any) -> str:
+  """One line: the stacks and the total valid entries (when concrete)."""
+  stacks = list(inputs.lhs_row_pointers)
+  text = f"{len(stacks)} stack{'s' if len(stacks) != 1 else ''}"
+  arrays = [*inputs.lhs_row_pointers.values()]
+  arrays += list(inputs.lhs_embedding_ids.values())
+  if stacks and all(_is_concrete(x) for x in arrays):
+    valid = sum(
+      buffer_format.count_valid_entries(
+        inputs.lhs_row_pointers[s], inputs.lhs_embedding_ids[s], None
+      )
+      for s in stacks
+    )
+    size = sum(int(np.prod(x.shape)) for x in inputs.lhs_embedding_ids.values())
+    text += f", {valid} valid entries of {size} ({valid / size:.1%})"
+  count = inputs.num_minibatches
+  if count is not None and _is_concrete(count):
+    n = int(np.max(np.asarray(count)))
+    text += f", {n} minibatch{'es' if n != 1 else ''}"
+  return text
+
+
+def _max(x: Any) -> int | None:
+  if not _is_concrete(x):
+    return None
+  x = np.asarray(x)
+  return int(x.max()) if x.size else 0
+
+
+def _with_limit(value: int | None, limit: int | None) -> str:
+  if value is None:
+    return "?"
+  if limit is None:
+    return str(value)
+  flag = " OVER" if value > limit else ""
+  return f"{value}/{limit}{flag}"
+
+
+def stats_line(
+  stats: Any,
+  stack: str,
+  spec: StackedTableSpec | None = None,
+  buffer_per_sc: int | None = None,
+) -> str:
+  """One stack's largest counts (against the limits when known) and drops.
+
+  Args:
+    stats: A `SparseDenseMatmulInputStats`.
+    stack: The stack's name.
+    spec: The stack's spec, for the limits; None for bare numbers.
+    buffer_per_sc: The stack's COO entries per SparseCore, if known.
+
+  Returns:
+    `"{stack}: max ids ..., max unique ..., required buffer ... per SC,
+    dropped ..."`.
+  """
+  ids = stats.max_ids_per_partition[stack]
+  limit_ids = spec.max_ids_per_partition if spec else None
+  limit_unique = spec.max_unique_ids_per_partition if spec else None
+  unique = stats.max_unique_ids_per_partition.get(stack)
+  required = stats.required_buffer_size_per_sc.get(stack)
+  drops = stats.id_drop_counters.get(stack)
+  drops_text = str(int(np.sum(drops))) if _is_concrete_scalar(drops) else "?"
+  return (
+    f"{stack}: max ids {_with_limit(_max(ids), limit_ids)}, max unique "
+    f"{_with_limit(_max(unique), limit_unique)}, required buffer "
+    f"{_with_limit(_max(required), buffer_per_sc)} per SC, dropped "
+    f"{drops_text}"
+  )
+
+
+def stats_details(
+  stats: Any,
+  stacks: Mapping[str, StackedTableSpec] | None = None,
+  buffer_per_sc: Mapping[str, int] | None = None,
+) -> list[str]:
+  """Per stack: largest counts (against the limits when known), drops.
+
+  Args:
+    stats: A `SparseDenseMatmulInputStats`.
+    stacks: Stack name → spec, for the limits; None for bare numbers.
+    buffer_per_sc: Stack name → COO entries per SparseCore.
+
+  Returns:
+    One `stats_line` per stack.
+  """
+  return [
+    stats_line(
+      stats, stack, (stacks or {}).get(stack), (buffer_per_sc or {}).get(stack)
+    )
+    for stack in stats.max_ids_per_partition
+  ]
+
+
+def _is_concrete_scalar(x: Any) -> bool:
+  return isinstance(x, (int, np.integer)) or _is_concrete(x)
+
+
+def stats_summary(stats: Any) -> str:
+  """One line: the number of stacks and the total dropped ids."""
+  stacks = list(stats.max_ids_per_partition)
+  text = f"{len(stacks)} stack{'s' if len(stacks) != 1 else ''}"
+  drops = list(stats.id_drop_counters.values())
+  if all(_is_concrete_scalar(d) for d in drops):
+    text += f", {sum(int(np.sum(d)) for d in drops)} ids dropped"
+  return text
+
+
+# ---------------------------------------------------------------------------
+# Rendering parts.
+
+
+def _comment(text: str) -> rendering_parts.RenderableTreePart:
+  return rendering_parts.comment_color(rendering_parts.text(text))
+
+
+def _attribute_line(
+  name: str,
+  value: Any,
+  path: str | None,
+  subtree_renderer: Renderer,
+  last: bool,
+) -> rendering_parts.RenderableTreePart:
+  child_path = None if path is None else f"{path}.{name}"
+  if last:  # A comma only when expanded, as in `repr_lib`.
+    comma = rendering_parts.fold_condition(expanded=rendering_parts.text(","))
+  else:
+    comma = rendering_parts.siblings(
+      ",", rendering_parts.fold_condition(collapsed=rendering_parts.text(" "))
+    )
+  return rendering_parts.build_full_line_with_annotations(
+    rendering_parts.siblings_with_annotations(
+      f"{name}=", subtree_renderer(value, path=child_path)
+    ),
+    comma,
+  )
+
+
+def summarized_node(
+  obj: Any,
+  summary: str,
+  details: Sequence[str | rendering_parts.RenderableTreePart],
+  attributes: Mapping[str, Any],
+  path: str | None,
+  subtree_renderer: Renderer,
+  color: str | None = None,
+  roundtrippable: bool = False,
+) -> rendering_parts.RenderableAndLineAnnotations:
+  """`Type(summary)` collapsed; comments plus real attributes expanded.
+
+  Args:
+    obj: The object (only its type is used).
+    summary: One-line summary, shown collapsed and as first-line comment.
+    details: Extra lines shown as comments (strings) or parts when expanded.
+    attributes: Real attributes of `obj`, rendered normally when expanded.
+    path: The object's path, for copy buttons.
+    subtree_renderer: Treescope's renderer for the attributes.
+    color: Optional background colour.
+    roundtrippable: Whether `attributes` are the constructor's arguments
+      (else roundtrip mode wraps the node in `<...>`).
+
+  Returns:
+    The rendering.
+  """
+  children = []
+  for line in details:
+    part = _comment(f"# {line}") if isinstance(line, str) else line
+    children.append(rendering_parts.fold_condition(expanded=part))
+  for i, (name, value) in enumerate(attributes.items()):
+    last = i == len(attributes) - 1
+    line = _attribute_line(name, value, path, subtree_renderer, last)
+    children.append(
+      rendering_parts.fold_condition(
+        expanded=line,
+        collapsed=rendering_parts.roundtrip_condition(roundtrip=line),
+      )
+    )
+  opening, closing = ("", "") if roundtrippable else ("<", ">")
+  prefix = rendering_parts.siblings(
+    rendering_parts.roundtrip_condition(
+      roundtrip=rendering_parts.text(opening)
+    ),
+    rendering_parts.maybe_qualified_type_name(type(obj)),
+    "(",
+    rendering_parts.fold_condition(
+      collapsed=rendering_parts.roundtrip_condition(
+        not_roundtrip=rendering_parts.text(summary)
+      )
+    ),
+  )
+  suffix = rendering_parts.siblings(
+    ")",
+    rendering_parts.roundtrip_condition(
+      roundtrip=rendering_parts.text(closing)
+    ),
+  )
+  return rendering_parts.build_foldable_tree_node_from_children(
+    prefix=prefix,
+    children=children,
+    suffix=suffix,
+    path=path,
+    background_color=color,
+    first_line_annotation=rendering_parts.roundtrip_condition(
+      not_roundtrip=_comment(f"  # {summary}")
+    ),
+  )
+
+
+def _fields(obj: Any, skip_none: Sequence[str] = ()) -> dict[str, Any]:
+  return {
+    f.name: getattr(obj, f.name)
+    for f in dataclasses.fields(obj)
+    if not (f.name in skip_none and getattr(obj, f.name) is None)
+  }
+
+
+def render_embed(
+  embed: Any, path: str | None, subtree_renderer: Renderer
+) -> rendering_parts.RenderableAndLineAnnotations:
+  """Renders a `SparseCoreEmbed` (works with unbound variable slots too)."""
+  color = embed.treescope_color()
+  if isinstance(color, tuple):
+    color = color[1]
+  return summarized_node(
+    embed,
+    embed_summary(embed),
+    embed_details(embed),
+    _fields(embed, skip_none=("activation_probe",)),
+    path,
+    subtree_renderer,
+    color=color,
+  )
+
+
+def render_plan(
+  plan: Plan, path: str | None, subtree_renderer: Renderer
+) -> rendering_parts.RenderableAndLineAnnotations:
+  """Renders a `plan.Plan` with its per-stack details (for its repr)."""
+  return summarized_node(
+    plan,
+    plan_summary(plan),
+    plan_details(plan),
+    _fields(plan),
+    path,
+    subtree_renderer,
+  )
+
+
+def render_spec(
+  spec: Any, path: str | None, subtree_renderer: Renderer
+) -> rendering_parts.RenderableAndLineAnnotations:
+  """Renders a `TableSpec`, `FeatureSpec` or `StackedTableSpec`."""
+  return summarized_node(
+    spec,
+    spec_summary(spec),
+    (),
+    _fields(spec),
+    path,
+    subtree_renderer,
+    roundtrippable=True,
+  )
+
+
+def render_inputs(
+  inputs: Any, path: str | None, subtree_renderer: Renderer
+) -> rendering_parts.RenderableAndLineAnnotations:
+  """Renders a `PreprocessedInput` with per-stack fill (when concrete)."""
+  return summarized_node(
+    inputs,
+    inputs_summary(inputs),
+    inputs_details(inputs),
+    _fields(inputs),
+    path,
+    subtree_renderer,
+    color=formatting_util.color_from_string("PreprocessedInput"),
+  )
+
+
+def render_stats(
+  stats: Any, path: str | None, subtree_renderer: Renderer
+) -> rendering_parts.RenderableAndLineAnnotations:
+  """Renders a `SparseDenseMatmulInputStats` with per-stack maxima."""
+  return summarized_node(
+    stats,
+    stats_summary(stats),
+    stats_details(stats),
+    _fields(stats),
+    path,
+    subtree_renderer,
+  )
