@@ -89,6 +89,7 @@ def _run_ours(
   from penzai import pz
 
   from pz_sparsecore.core import specs
+  from pz_sparsecore.device.exchange import ExchangeBytes
   from pz_sparsecore.nn.embed import SparseCoreEmbed
   from pz_sparsecore.nn.training import SparseCoreTrainer
 
@@ -142,9 +143,7 @@ def _run_ours(
   return step, {
     "mode": chosen.mode,
     # One device ("local") exchanges nothing.
-    "step_bytes": 0
-    if chosen.mode == "local"
-    else getattr(chosen, chosen.mode).step,
+    "step_bytes": chosen.by_mode.get(chosen.mode, ExchangeBytes(0, 0, 0)).step,
     "reason": chosen.reason,
   }
 

@@ -58,13 +58,11 @@ Unlike upstream, all input errors raise `ValueError` naming the feature and
 the value, every output byte is defined, inputs are never modified, and ids
 of any integer dtype are read correctly.
 
-Implementation: `ragged_input` reads and validates every feature's ids into
-one flat array (its compiled reader walks object arrays and lists with no
-Python-level loop: a few milliseconds for millions of ids);
-`_fill_numba.fill_buffers` then does the per-SparseCore work of every stack
-in one numba kernel launch, parallel over (stack, device, SparseCore) work
-items: radix sort by physical row, then one walk that merges, counts, drops
-and writes. The sizes and offsets come from the `plan.Plan`.
+Implementation: `ragged_input` reads and validates every feature's ids
+and `fill` runs the numba kernel that partitions, sorts, merges and writes
+every stack's buffers in one launch (`fill`'s docstring); with minibatching,
+`minibatching` splits the batch first. Sizes and offsets come from the
+`plan.Plan`.
 """
 
 from __future__ import annotations
