@@ -1,10 +1,15 @@
 // nanobind module exposing the XLA FFI handlers as PyCapsules.
 //
 // `registrations()` maps each FFI target name to {platform: capsule}; the
-// Python package registers them with jax.ffi.register_ffi_target at import.
+// Python package registers them with jax.ffi.register_ffi_target at import,
+// after checking `abi_version()` and `optimizers()` (the optimizer handlers,
+// from optimizer_list.h) against what it expects
+// (pz_sparsecore/device/kernels/ffi.py).
 #include <nanobind/nanobind.h>
 
+#include "abi_version.h"
 #include "optimizer_list.h"
+#include "optimizers.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -28,10 +33,6 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulCuda);
 PZSC_OPTIMIZERS(PZSC_DECLARE_GRAD_CUDA)
 #undef PZSC_DECLARE_GRAD_CUDA
 #endif
-
-// Bumped whenever a handler's operands, attributes or contract change, or a
-// target is added or removed (pz_sparsecore/kernels/ffi.py: ABI_VERSION).
-constexpr int kAbiVersion = 6;
 }  // namespace pzsc
 
 namespace {
@@ -46,7 +47,24 @@ nb::capsule Capsule(T* fn) {
 }  // namespace
 
 NB_MODULE(_pzsc_ffi, m) {
-  m.def("abi_version", []() { return pzsc::kAbiVersion; });
+  m.def(
+      "abi_version", []() { return pzsc::kAbiVersion; },
+      "The handlers' ABI version (abi_version.h).");
+  m.def(
+      "optimizers",
+      []() {
+        nb::list optimizers;
+#define PZSC_DESCRIBE(Name, name, num_slots, num_hyperparameters) \
+  optimizers.append(                                              \
+      nb::make_tuple(#name, PZSC_GRAD_TARGET(name),               \
+                     pzsc::NumSlots(pzsc::Optimizer::k##Name),    \
+                     pzsc::NumHyperparameters(pzsc::Optimizer::k##Name)));
+        PZSC_OPTIMIZERS(PZSC_DESCRIBE)
+#undef PZSC_DESCRIBE
+        return optimizers;
+      },
+      "The optimizer handlers, one (name, target, num_slots, "
+      "num_hyperparameters) tuple each, in optimizer_list.h's order.");
   m.def("registrations", []() {
     nb::dict regs;
     auto add = [&](const char* name, const char* platform, nb::capsule cap) {

@@ -14,7 +14,8 @@
 // Generated from it: the Optimizer enum with NumSlots / NumHyperparameters
 // (optimizers.h), the CPU row-update dispatch (row_kernels.cc), the CPU and
 // CUDA handlers (sparse_dense_matmul_grad.cc, sparse_dense_matmul_cuda.cu),
-// and the extension's registrations (module.cc).
+// and the extension's registrations and optimizers() (module.cc), which the
+// Python package checks against its registry when it loads the extension.
 //
 // Adding an optimizer here: one line, its <Name>Element in optimizers.h (the
 // slot elements in the registry's slot order, then the gradient), and its
