@@ -19,7 +19,8 @@
 //
 // Adding an optimizer here: one line, its <Name>Element in optimizers.h (the
 // slot elements in the registry's slot order, then the gradient), and its
-// registry entry and spec in Python.
+// registry entry and spec in Python (the recipe: the docstring of
+// pz_sparsecore/core/optimizers.py).
 #ifndef PZSC_CSRC_OPTIMIZER_LIST_H_
 #define PZSC_CSRC_OPTIMIZER_LIST_H_
 
