@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BUILD_DEPS := scikit-build-core nanobind jax==0.10.2 jaxlib==0.10.2
-SOURCES := pyproject.toml constraints.txt CMakeLists.txt $(wildcard csrc/*)
+SOURCES := pyproject.toml constraints.txt CMakeLists.txt $(wildcard csrc/*) \
+	pz_sparsecore/device/kernels/abi_version.h
 
 .PHONY: demo test test-asan lint bench bench-large docs readme-figure clean
 

@@ -92,6 +92,24 @@ auto BindCooOperands(Binding&& binding) {
       .template Arg<ffi::AnyBuffer>();  // table
 }
 
+// A fused backward's binding (CPU and CUDA, every optimizer): `binding` (the
+// handler's context) followed by its operands, results and attributes:
+// activation_grad, the COO operands, the slots and hyperparameters, the
+// table and slot results (aliased), the layout, the clip range and every
+// optimizer's static attributes (the registry's; a call passes the others'
+// defaults). A macro, not a function like BindCooOperands: the handlers then
+// compile exactly as when the chain was written out in each.
+#define PZSC_BIND_GRAD_OPERANDS(binding)                                 \
+  BindCooOperands((binding).Arg<ffi::AnyBuffer>() /* activation_grad */) \
+      .RemainingArgs()       /* slots..., hyperparameters */             \
+      .Ret<ffi::AnyBuffer>() /* table (aliased) */                       \
+      .RemainingRets()       /* slots (aliased) */                       \
+      .Attr<LayoutAttrs>("layout")                                       \
+      .Attr<bool>("clip")                                                \
+      .Attr<float>("clip_min")                                           \
+      .Attr<float>("clip_max")                                           \
+      .Attr<bool>("multiply_linear_by_learning_rate")
+
 // Checks that `buffer` has the given dtype and rank; `name` goes into errors.
 ffi::Error CheckBuffer(const ffi::AnyBuffer& buffer, ffi::DataType dtype,
                        int64_t rank, const char* name);

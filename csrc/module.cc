@@ -1,38 +1,38 @@
 // nanobind module exposing the XLA FFI handlers as PyCapsules.
 //
 // `registrations()` maps each FFI target name to {platform: capsule}; the
-// Python package registers them with jax.ffi.register_ffi_target at import.
+// Python package registers them with jax.ffi.register_ffi_target at import,
+// after checking `abi_version()` and `optimizers()` (the optimizer handlers,
+// from optimizer_list.h) against what it expects
+// (pz_sparsecore/device/kernels/ffi.py).
 #include <nanobind/nanobind.h>
 
+#include "abi_version.h"
+#include "optimizer_list.h"
+#include "optimizers.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
 
+// The FFI target of the fused backward of the optimizer `name` (a registry
+// name, unquoted).
+#define PZSC_GRAD_TARGET(name) "pzsc_sparse_dense_matmul_grad_" #name
+
 namespace pzsc {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradSgdCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradAdagradCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradAdagradMomentumCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradAdamCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradFtrlCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradLaPropCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradF2ACpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CheckCooCpu);
+#define PZSC_DECLARE_GRAD_CPU(Name, name, num_slots, num_hyperparameters) \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGrad##Name##Cpu);
+PZSC_OPTIMIZERS(PZSC_DECLARE_GRAD_CPU)
+#undef PZSC_DECLARE_GRAD_CPU
 #ifdef PZSC_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradSgdCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradAdagradCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradAdagradMomentumCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradAdamCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradFtrlCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradLaPropCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGradF2ACuda);
+#define PZSC_DECLARE_GRAD_CUDA(Name, name, num_slots, num_hyperparameters) \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGrad##Name##Cuda);
+PZSC_OPTIMIZERS(PZSC_DECLARE_GRAD_CUDA)
+#undef PZSC_DECLARE_GRAD_CUDA
 #endif
-
-// Bumped whenever a handler's operands, attributes or contract change, or a
-// target is added or removed (pz_sparsecore/kernels/ffi.py: ABI_VERSION).
-constexpr int kAbiVersion = 6;
 }  // namespace pzsc
 
 namespace {
@@ -47,7 +47,24 @@ nb::capsule Capsule(T* fn) {
 }  // namespace
 
 NB_MODULE(_pzsc_ffi, m) {
-  m.def("abi_version", []() { return pzsc::kAbiVersion; });
+  m.def(
+      "abi_version", []() { return pzsc::kAbiVersion; },
+      "The handlers' ABI version (abi_version.h).");
+  m.def(
+      "optimizers",
+      []() {
+        nb::list optimizers;
+#define PZSC_DESCRIBE(Name, name, num_slots, num_hyperparameters) \
+  optimizers.append(                                              \
+      nb::make_tuple(#name, PZSC_GRAD_TARGET(name),               \
+                     pzsc::NumSlots(pzsc::Optimizer::k##Name),    \
+                     pzsc::NumHyperparameters(pzsc::Optimizer::k##Name)));
+        PZSC_OPTIMIZERS(PZSC_DESCRIBE)
+#undef PZSC_DESCRIBE
+        return optimizers;
+      },
+      "The optimizer handlers, one (name, target, num_slots, "
+      "num_hyperparameters) tuple each, in optimizer_list.h's order.");
   m.def("registrations", []() {
     nb::dict regs;
     auto add = [&](const char* name, const char* platform, nb::capsule cap) {
@@ -57,38 +74,20 @@ NB_MODULE(_pzsc_ffi, m) {
     };
     add("pzsc_sparse_dense_matmul", "cpu",
         Capsule(pzsc::SparseDenseMatmulCpu));
-    add("pzsc_sparse_dense_matmul_grad_sgd", "cpu",
-        Capsule(pzsc::SparseDenseMatmulGradSgdCpu));
-    add("pzsc_sparse_dense_matmul_grad_adagrad", "cpu",
-        Capsule(pzsc::SparseDenseMatmulGradAdagradCpu));
-    add("pzsc_sparse_dense_matmul_grad_adagrad_momentum", "cpu",
-        Capsule(pzsc::SparseDenseMatmulGradAdagradMomentumCpu));
-    add("pzsc_sparse_dense_matmul_grad_adam", "cpu",
-        Capsule(pzsc::SparseDenseMatmulGradAdamCpu));
-    add("pzsc_sparse_dense_matmul_grad_ftrl", "cpu",
-        Capsule(pzsc::SparseDenseMatmulGradFtrlCpu));
-    add("pzsc_sparse_dense_matmul_grad_laprop", "cpu",
-        Capsule(pzsc::SparseDenseMatmulGradLaPropCpu));
-    add("pzsc_sparse_dense_matmul_grad_f2a", "cpu",
-        Capsule(pzsc::SparseDenseMatmulGradF2ACpu));
+#define PZSC_ADD_GRAD_CPU(Name, name, num_slots, num_hyperparameters) \
+  add(PZSC_GRAD_TARGET(name), "cpu",                                  \
+      Capsule(pzsc::SparseDenseMatmulGrad##Name##Cpu));
+    PZSC_OPTIMIZERS(PZSC_ADD_GRAD_CPU)
+#undef PZSC_ADD_GRAD_CPU
     add("pzsc_check_coo", "cpu", Capsule(pzsc::CheckCooCpu));
 #ifdef PZSC_WITH_CUDA
     add("pzsc_sparse_dense_matmul", "CUDA",
         Capsule(pzsc::SparseDenseMatmulCuda));
-    add("pzsc_sparse_dense_matmul_grad_sgd", "CUDA",
-        Capsule(pzsc::SparseDenseMatmulGradSgdCuda));
-    add("pzsc_sparse_dense_matmul_grad_adagrad", "CUDA",
-        Capsule(pzsc::SparseDenseMatmulGradAdagradCuda));
-    add("pzsc_sparse_dense_matmul_grad_adagrad_momentum", "CUDA",
-        Capsule(pzsc::SparseDenseMatmulGradAdagradMomentumCuda));
-    add("pzsc_sparse_dense_matmul_grad_adam", "CUDA",
-        Capsule(pzsc::SparseDenseMatmulGradAdamCuda));
-    add("pzsc_sparse_dense_matmul_grad_ftrl", "CUDA",
-        Capsule(pzsc::SparseDenseMatmulGradFtrlCuda));
-    add("pzsc_sparse_dense_matmul_grad_laprop", "CUDA",
-        Capsule(pzsc::SparseDenseMatmulGradLaPropCuda));
-    add("pzsc_sparse_dense_matmul_grad_f2a", "CUDA",
-        Capsule(pzsc::SparseDenseMatmulGradF2ACuda));
+#define PZSC_ADD_GRAD_CUDA(Name, name, num_slots, num_hyperparameters) \
+  add(PZSC_GRAD_TARGET(name), "CUDA",                                  \
+      Capsule(pzsc::SparseDenseMatmulGrad##Name##Cuda));
+    PZSC_OPTIMIZERS(PZSC_ADD_GRAD_CUDA)
+#undef PZSC_ADD_GRAD_CUDA
 #endif
     return regs;
   });

@@ -1,17 +1,21 @@
-// Per-row optimizer updates of the fused backward (equations: research notes
-// section 4.3, and upstream's LaProp and F2A primitives,
-// sparse_dense_matmul_grad_with_{laprop,f2a}.py; the pure-JAX twins are the
-// registry's row updates, pz_sparsecore/optimizers.py).
+// Per-row optimizer updates of the fused backward: one element rule per
+// optimizer of the list (optimizer_list.h), with the equations of upstream's
+// primitives (sparse_dense_matmul_grad_with_<name>.py); the pure-JAX twins
+// are the registry's row updates (pz_sparsecore/core/optimizers.py).
 //
-// Each Apply updates one table row `w` and its slot rows in place from the
-// summed row gradient `g`; all rows have `dim` float32 elements and never
-// alias each other.
+// Each rule updates one table element `w` and its slot elements in place
+// from the summed row gradient `g`; the CPU handlers run it over a row
+// (ApplyRow), the CUDA handlers over a warp's elements. All rows have `dim`
+// float32 elements and never alias each other.
 #ifndef PZSC_CSRC_OPTIMIZERS_H_
 #define PZSC_CSRC_OPTIMIZERS_H_
 
 #include <math.h>
 
+#include <algorithm>
 #include <cstdint>
+
+#include "optimizer_list.h"
 
 // Host and device code (the CUDA handlers, sparse_dense_matmul_cuda.cu) share
 // everything here.
@@ -23,44 +27,43 @@
 
 namespace pzsc {
 
+// Optimizer::k<Name>, in the list's order.
 enum class Optimizer : int {
-  kSgd = 0,
-  kAdagrad = 1,
-  kAdagradMomentum = 2,
-  kAdam = 3,
-  kFtrl = 4,
-  kLaProp = 5,
-  kF2A = 6,
+#define PZSC_ENUMERATOR(Name, name, num_slots, num_hyperparameters) k##Name,
+  PZSC_OPTIMIZERS(PZSC_ENUMERATOR)
+#undef PZSC_ENUMERATOR
 };
 
-inline constexpr int kMaxSlots = 2;
-inline constexpr int kMaxHyperparameters = 6;
+#define PZSC_SLOTS_OF(Name, name, num_slots, num_hyperparameters) num_slots,
+#define PZSC_HYPERPARAMETERS_OF(Name, name, num_slots, num_hyperparameters) \
+  num_hyperparameters,
+inline constexpr int kMaxSlots = std::max({PZSC_OPTIMIZERS(PZSC_SLOTS_OF)});
+inline constexpr int kMaxHyperparameters =
+    std::max({PZSC_OPTIMIZERS(PZSC_HYPERPARAMETERS_OF)});
+#undef PZSC_SLOTS_OF
+#undef PZSC_HYPERPARAMETERS_OF
+static_assert(kMaxSlots <= PZSC_SLOT_ARGS_MAX,
+              "PZSC_SLOT_ARGS passes at most PZSC_SLOT_ARGS_MAX slots");
 
 PZSC_HOST_DEVICE constexpr int NumSlots(Optimizer opt) {
   switch (opt) {
-    case Optimizer::kSgd:
-      return 0;
-    case Optimizer::kAdagrad:
-      return 1;
-    default:
-      return 2;
+#define PZSC_NUM_SLOTS_CASE(Name, name, num_slots, num_hyperparameters) \
+  case Optimizer::k##Name:                                              \
+    return num_slots;
+    PZSC_OPTIMIZERS(PZSC_NUM_SLOTS_CASE)
+#undef PZSC_NUM_SLOTS_CASE
   }
+  return kMaxSlots;  // Not an optimizer: the most any has.
 }
 
 PZSC_HOST_DEVICE constexpr int NumHyperparameters(Optimizer opt) {
   switch (opt) {
-    case Optimizer::kSgd:
-    case Optimizer::kAdagrad:
-      return 1;
-    case Optimizer::kAdagradMomentum:
-      return 6;
-    case Optimizer::kAdam:
-    case Optimizer::kLaProp:
-      return 4;
-    case Optimizer::kFtrl:
-      return 5;
-    case Optimizer::kF2A:
-      return 6;
+#define PZSC_NUM_HYPERPARAMETERS_CASE(Name, name, num_slots, \
+                                      num_hyperparameters)   \
+  case Optimizer::k##Name:                                   \
+    return num_hyperparameters;
+    PZSC_OPTIMIZERS(PZSC_NUM_HYPERPARAMETERS_CASE)
+#undef PZSC_NUM_HYPERPARAMETERS_CASE
   }
   return 0;
 }
@@ -71,8 +74,9 @@ struct Hyperparameters {
   bool multiply_linear_by_learning_rate;
 };
 
-// The rules, one element at a time. `w` is the table
-// element, `a`/`m`/`v`/`l` its slot elements, `g` the summed row gradient.
+// The rules, one element at a time: <Name>Element for every optimizer of the
+// list. `w` is the table element, `a`/`m`/`v`/`l` its slot elements (in the
+// registry's slot order), `g` the summed row gradient.
 
 // w <- w - lr * g.
 PZSC_HOST_DEVICE void SgdElement(const Hyperparameters& h, float& w, float g) {
@@ -179,25 +183,27 @@ PZSC_HOST_DEVICE void F2AElement(const Hyperparameters& h, float& w, float& a,
 }
 
 #ifndef __CUDACC__
-// The CPU handlers' row updates: the element rules over `dim` elements.
-inline void ApplySgd(const Hyperparameters& h, float* __restrict w,
+// The CPU handlers' row updates: ApplyRow<Name##Element>(h, w, slot rows...,
+// g, dim) runs the element rule over `dim` elements (one overload per slot
+// count).
+template <void (*Element)(const Hyperparameters&, float&, float)>
+inline void ApplyRow(const Hyperparameters& h, float* __restrict w,
                      const float* __restrict g, int64_t dim) {
-  for (int64_t i = 0; i < dim; ++i) SgdElement(h, w[i], g[i]);
+  for (int64_t i = 0; i < dim; ++i) Element(h, w[i], g[i]);
 }
 
-inline void ApplyAdagrad(const Hyperparameters& h, float* __restrict w,
-                         float* __restrict a, const float* __restrict g,
-                         int64_t dim) {
-  for (int64_t i = 0; i < dim; ++i) AdagradElement(h, w[i], a[i], g[i]);
+template <void (*Element)(const Hyperparameters&, float&, float&, float)>
+inline void ApplyRow(const Hyperparameters& h, float* __restrict w,
+                     float* __restrict s0, const float* __restrict g,
+                     int64_t dim) {
+  for (int64_t i = 0; i < dim; ++i) Element(h, w[i], s0[i], g[i]);
 }
 
-// The optimizers with two slots (AdagradMomentum, Adam, FTRL, LaProp, F2A):
-// `Element(h, w, slot0, slot1, g)` over `dim` elements.
 template <void (*Element)(const Hyperparameters&, float&, float&, float&,
                           float)>
-inline void ApplyTwoSlots(const Hyperparameters& h, float* __restrict w,
-                          float* __restrict s0, float* __restrict s1,
-                          const float* __restrict g, int64_t dim) {
+inline void ApplyRow(const Hyperparameters& h, float* __restrict w,
+                     float* __restrict s0, float* __restrict s1,
+                     const float* __restrict g, int64_t dim) {
   for (int64_t i = 0; i < dim; ++i) Element(h, w[i], s0[i], s1[i], g[i]);
 }
 #endif  // __CUDACC__

@@ -5,6 +5,7 @@
 #include <limits>
 #include <vector>
 
+#include "optimizer_list.h"
 #include "optimizers.h"
 
 // Each exported loop is cloned per ISA and dispatched at load time (ifunc).
@@ -309,32 +310,15 @@ void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
       float* __restrict w = plan.table + off;
       const Hyperparameters& h = plan.hyper;
       switch (plan.optimizer) {
-        case Optimizer::kSgd:
-          ApplySgd(h, w, acc, dim);
-          break;
-        case Optimizer::kAdagrad:
-          ApplyAdagrad(h, w, plan.slots[0] + off, acc, dim);
-          break;
-        case Optimizer::kAdagradMomentum:
-          ApplyTwoSlots<AdagradMomentumElement>(h, w, plan.slots[0] + off,
-                                                plan.slots[1] + off, acc, dim);
-          break;
-        case Optimizer::kAdam:
-          ApplyTwoSlots<AdamElement>(h, w, plan.slots[0] + off,
-                                     plan.slots[1] + off, acc, dim);
-          break;
-        case Optimizer::kFtrl:
-          ApplyTwoSlots<FtrlElement>(h, w, plan.slots[0] + off,
-                                     plan.slots[1] + off, acc, dim);
-          break;
-        case Optimizer::kLaProp:
-          ApplyTwoSlots<LaPropElement>(h, w, plan.slots[0] + off,
-                                       plan.slots[1] + off, acc, dim);
-          break;
-        case Optimizer::kF2A:
-          ApplyTwoSlots<F2AElement>(h, w, plan.slots[0] + off,
-                                    plan.slots[1] + off, acc, dim);
-          break;
+#define PZSC_APPLY_CASE(Name, name, num_slots, num_hyperparameters)        \
+  case Optimizer::k##Name:                                                 \
+    ApplyRow<Name##Element>(h, w,                                          \
+                            PZSC_SLOT_ARGS(num_slots, plan.slots[0] + off, \
+                                           plan.slots[1] + off) acc,       \
+                            dim);                                          \
+    break;
+        PZSC_OPTIMIZERS(PZSC_APPLY_CASE)
+#undef PZSC_APPLY_CASE
       }
       if (plan.clip) {
         const float lo = plan.clip_min, hi = plan.clip_max;

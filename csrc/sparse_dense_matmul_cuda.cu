@@ -1,5 +1,6 @@
-// CUDA handlers: the forward and the fused backward of every optimizer, with
-// the same operands, attributes and results as the CPU handlers
+// CUDA handlers: the forward and the fused backward of every optimizer of
+// optimizer_list.h (SparseDenseMatmulGrad<Name>Cuda), with the same
+// operands, attributes and results as the CPU handlers
 // (sparse_dense_matmul.cc, sparse_dense_matmul_grad.cc), registered for the
 // platform "CUDA" (module.cc).
 //
@@ -51,6 +52,7 @@
 #include <vector>
 
 #include "coo_layout.h"
+#include "optimizer_list.h"
 #include "optimizers.h"
 #include "quantize.h"
 #include "xla/ffi/api/ffi.h"
@@ -237,7 +239,7 @@ struct UpdateArgs {
   float clip_min;
   float clip_max;
   float* table;
-  float* slot0;
+  float* slot0;  // The slots PZSC_SLOT_ARGS passes (PZSC_SLOT_ARGS_MAX).
   float* slot1;
   const int32_t* sorted;  // Positions sorted by row (scratch).
 };
@@ -281,22 +283,14 @@ __device__ __forceinline__ void ApplyRow(const UpdateArgs& a, int64_t row,
     if (d >= a.l.dim) continue;
     const int64_t off = row * a.l.dim + d;
     float& w = a.table[off];
-    if constexpr (kOpt == Optimizer::kSgd) {
-      SgdElement(h, w, acc[r]);
-    } else if constexpr (kOpt == Optimizer::kAdagrad) {
-      AdagradElement(h, w, a.slot0[off], acc[r]);
-    } else if constexpr (kOpt == Optimizer::kAdagradMomentum) {
-      AdagradMomentumElement(h, w, a.slot0[off], a.slot1[off], acc[r]);
-    } else if constexpr (kOpt == Optimizer::kAdam) {
-      AdamElement(h, w, a.slot0[off], a.slot1[off], acc[r]);
-    } else if constexpr (kOpt == Optimizer::kFtrl) {
-      FtrlElement(h, w, a.slot0[off], a.slot1[off], acc[r]);
-    } else if constexpr (kOpt == Optimizer::kLaProp) {
-      LaPropElement(h, w, a.slot0[off], a.slot1[off], acc[r]);
-    } else {
-      static_assert(kOpt == Optimizer::kF2A);
-      F2AElement(h, w, a.slot0[off], a.slot1[off], acc[r]);
-    }
+#define PZSC_APPLY_ELEMENT(Name, name, num_slots, num_hyperparameters) \
+  if constexpr (kOpt == Optimizer::k##Name) {                          \
+    Name##Element(                                                     \
+        h, w, PZSC_SLOT_ARGS(num_slots, a.slot0[off], a.slot1[off])    \
+                  acc[r]);                                             \
+  }
+    PZSC_OPTIMIZERS(PZSC_APPLY_ELEMENT)
+#undef PZSC_APPLY_ELEMENT
     // As std::min(std::max(w, lo), hi) on CPU: NaN stays NaN.
     if (a.clip) w = w < a.clip_min ? a.clip_min : (w > a.clip_max ? a.clip_max : w);
   }
@@ -687,7 +681,7 @@ ffi::Error GradCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
   UpdateArgs args{};
   args.l = l;
   args.table = table_out->typed_data<float>();
-  float* slots[2] = {nullptr, nullptr};
+  float* slots[PZSC_SLOT_ARGS_MAX] = {nullptr, nullptr};  // slot0, slot1
   for (int i = 0; i < kSlots; ++i) {
     ffi::Result<ffi::AnyBuffer> slot_out = *slots_out.get<ffi::AnyBuffer>(i);
     PZSC_CUDA_RETURN_IF_ERROR(copy(*rest.get<ffi::AnyBuffer>(i), *slot_out));
@@ -716,32 +710,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<LayoutAttrs>("layout")
         .Attr<Quantization>("quantization"));
 
-#define PZSC_DEFINE_CUDA_GRAD_HANDLER(name, opt)                       \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                       \
-      name, GradCudaImpl<opt>,                                         \
-      BindCooOperands(ffi::Ffi::Bind()                                 \
-                          .Ctx<ffi::PlatformStream<cudaStream_t>>()    \
-                          .Ctx<ffi::ScratchAllocator>()                \
-                          .Arg<ffi::AnyBuffer>() /* activation_grad */) \
-          .RemainingArgs()       /* slots..., hyperparameters */       \
-          .Ret<ffi::AnyBuffer>() /* table (aliased) */                 \
-          .RemainingRets()       /* slots (aliased) */                 \
-          .Attr<LayoutAttrs>("layout")                                 \
-          .Attr<bool>("clip")                                          \
-          .Attr<float>("clip_min")                                     \
-          .Attr<float>("clip_max")                                     \
-          .Attr<bool>("multiply_linear_by_learning_rate"))
+#define PZSC_DEFINE_CUDA_GRAD_HANDLER(Name, name, num_slots, \
+                                      num_hyperparameters)   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                             \
+      SparseDenseMatmulGrad##Name##Cuda,                     \
+      GradCudaImpl<Optimizer::k##Name>,                      \
+      PZSC_BIND_GRAD_OPERANDS(                               \
+          ffi::Ffi::Bind()                                   \
+              .Ctx<ffi::PlatformStream<cudaStream_t>>()      \
+              .Ctx<ffi::ScratchAllocator>()));
 
-PZSC_DEFINE_CUDA_GRAD_HANDLER(SparseDenseMatmulGradSgdCuda, Optimizer::kSgd);
-PZSC_DEFINE_CUDA_GRAD_HANDLER(SparseDenseMatmulGradAdagradCuda,
-                              Optimizer::kAdagrad);
-PZSC_DEFINE_CUDA_GRAD_HANDLER(SparseDenseMatmulGradAdagradMomentumCuda,
-                              Optimizer::kAdagradMomentum);
-PZSC_DEFINE_CUDA_GRAD_HANDLER(SparseDenseMatmulGradAdamCuda, Optimizer::kAdam);
-PZSC_DEFINE_CUDA_GRAD_HANDLER(SparseDenseMatmulGradFtrlCuda, Optimizer::kFtrl);
-PZSC_DEFINE_CUDA_GRAD_HANDLER(SparseDenseMatmulGradLaPropCuda,
-                              Optimizer::kLaProp);
-PZSC_DEFINE_CUDA_GRAD_HANDLER(SparseDenseMatmulGradF2ACuda, Optimizer::kF2A);
+PZSC_OPTIMIZERS(PZSC_DEFINE_CUDA_GRAD_HANDLER)
 
 #undef PZSC_DEFINE_CUDA_GRAD_HANDLER
 

@@ -1,6 +1,6 @@
-// Backward handlers fused with the optimizer update (CPU), one per optimizer:
-// pzsc_sparse_dense_matmul_grad_{sgd,adagrad,adagrad_momentum,adam,ftrl,
-// laprop,f2a}.
+// Backward handlers fused with the optimizer update (CPU), one per optimizer
+// of the list (optimizer_list.h): SparseDenseMatmulGrad<Name>Cpu, the FFI
+// target pzsc_sparse_dense_matmul_grad_<name>.
 //
 // Operands: activation_grad f32[num_segments * samples_per_segment, D], the
 // COO buffers (as in the forward), table f32[R, D], the optimizer's slots
@@ -34,6 +34,7 @@
 
 #include "coo_layout.h"
 #include "huge_pages.h"
+#include "optimizer_list.h"
 #include "optimizers.h"
 #include "parallel_for.h"
 #include "row_kernels.h"
@@ -250,29 +251,13 @@ ffi::Error CheckCooImpl(ffi::AnyBuffer row_pointers,
 
 }  // namespace
 
-#define PZSC_DEFINE_GRAD_HANDLER(name, opt)                               \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                          \
-      name, SparseDenseMatmulGradImpl<opt>,                               \
-      BindCooOperands(ffi::Ffi::Bind()                                    \
-                          .Ctx<ffi::ThreadPool>()                         \
-                          .Arg<ffi::AnyBuffer>() /* activation_grad */)   \
-          .RemainingArgs()       /* slots..., hyperparameters */          \
-          .Ret<ffi::AnyBuffer>() /* table (aliased) */                    \
-          .RemainingRets()       /* slots (aliased) */                    \
-          .Attr<LayoutAttrs>("layout")                                    \
-          .Attr<bool>("clip")                                             \
-          .Attr<float>("clip_min")                                        \
-          .Attr<float>("clip_max")                                        \
-          .Attr<bool>("multiply_linear_by_learning_rate"))
+#define PZSC_DEFINE_GRAD_HANDLER(Name, name, num_slots, num_hyperparameters) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                             \
+      SparseDenseMatmulGrad##Name##Cpu,                                      \
+      SparseDenseMatmulGradImpl<Optimizer::k##Name>,                         \
+      PZSC_BIND_GRAD_OPERANDS(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
-PZSC_DEFINE_GRAD_HANDLER(SparseDenseMatmulGradSgdCpu, Optimizer::kSgd);
-PZSC_DEFINE_GRAD_HANDLER(SparseDenseMatmulGradAdagradCpu, Optimizer::kAdagrad);
-PZSC_DEFINE_GRAD_HANDLER(SparseDenseMatmulGradAdagradMomentumCpu,
-                         Optimizer::kAdagradMomentum);
-PZSC_DEFINE_GRAD_HANDLER(SparseDenseMatmulGradAdamCpu, Optimizer::kAdam);
-PZSC_DEFINE_GRAD_HANDLER(SparseDenseMatmulGradFtrlCpu, Optimizer::kFtrl);
-PZSC_DEFINE_GRAD_HANDLER(SparseDenseMatmulGradLaPropCpu, Optimizer::kLaProp);
-PZSC_DEFINE_GRAD_HANDLER(SparseDenseMatmulGradF2ACpu, Optimizer::kF2A);
+PZSC_OPTIMIZERS(PZSC_DEFINE_GRAD_HANDLER)
 
 #undef PZSC_DEFINE_GRAD_HANDLER
 

@@ -7,8 +7,8 @@ and order of the float32 vector the kernels read, and how a spec computes
 them at a step), its static attributes (compile-time switches passed to the
 kernels), and its per-row update as a JAX function. That function is the
 reference the C++ and CUDA row updates (`csrc/optimizers.h`) are tested
-against; the equations are upstream's (research notes, section 4.3; LaProp
-and F2A as upstream's `sparse_dense_matmul_grad_with_{laprop,f2a}.py`).
+against; the equations are upstream's (its primitives
+`sparse_dense_matmul_grad_with_<name>.py`).
 
 A custom optimizer (`specs.CustomOptimizerSpec`) is an entry too, made from
 the user's function by `custom`: not in the registry, and with no compiled
@@ -16,12 +16,56 @@ handler (`compiled=False`), so its update always runs as JAX.
 
 The optimizer specs (`specs.py`) read their slots and hyper-parameters from
 here; the reference kernel, the FFI wrappers and the routing look entries up
-by name instead of branching on strings. Adding an optimizer is one entry
-here, its spec class, and its C++ (and CUDA) row update.
+by name instead of branching on strings. The compiled extension describes
+its optimizer handlers (`optimizers()`, generated from
+`csrc/optimizer_list.h`); loading it checks that description against the
+compiled entries here (names, targets, slot and hyper-parameter counts;
+`device/kernels/ffi.py`), and a difference is a stale build.
 
 Example: Adagrad has one slot, `accumulator`, initialised from the spec's
 `initial_accumulator_value`, and reads `(learning_rate,)`; for a row `w`
 with gradient `g`: `a <- a + g**2; w <- w - lr * g / sqrt(a)`.
+
+Adding an optimizer, say `foo` with slots `(a, b)` and hyper-parameters
+`(learning_rate, x)`:
+
+1. Its spec, in `core/specs.py`: a frozen dataclass
+   `FooOptimizerSpec(OptimizerSpec)` with `kernel_name = "foo"`, the field
+   `learning_rate` and one field per hyper-parameter and initial slot value
+   (upstream's names and defaults, in upstream's order), and
+   `_check_hyperparameters` refusing values where the update is undefined;
+   export it in `pz_sparsecore/__init__.py` (`_EXPORTS`).
+2. Its entry in `REGISTRY` below:
+   `Optimizer("foo", (Slot("a", "initial_a_value"), Slot("b")),
+   ("learning_rate", "x"), _lr_and("x"), _foo)`, with `_foo(w, slots, g, h)`
+   its row update in JAX (the reference).
+3. Its C++ and CUDA row update, in `csrc/optimizers.h` (host and device
+   code: both handler families run it):
+   `PZSC_HOST_DEVICE void FooElement(const Hyperparameters& h, float& w,
+   float& a, float& b, float g)`, the slots in the entry's order; and one
+   line in `csrc/optimizer_list.h`: `X(Foo, foo, 2, 2)` (C++ name, registry
+   name, slot count, hyper-parameter count). The enum, the CPU and CUDA
+   handlers (FFI target `pzsc_sparse_dense_matmul_grad_foo`), their
+   registration and the extension's `optimizers()` come from that line; the
+   ABI version stays as it is. Rebuild the extension.
+4. If upstream has it, its compat names in
+   `compat/lib/nn/embedding_spec.py`: `class FooOptimizerSpec(OptimizerSpec)`
+   (fields and defaults come from the frozen spec) and
+   `FooSlotVariables = _slot_variables("Foo")`, both in `__all__`; and
+   upstream's module
+   `compat/lib/core/primitives/sparse_dense_matmul_grad_with_foo.py`, a copy
+   of a sibling's three lines with the name changed.
+5. Its test hyper-parameters in `tests/test_kernels.py` (`HYPERPARAMETERS`,
+   `GRAD_CASES`: the compiled update against `_foo`);
+   `tests/test_optimizer_list.py` checks that the lists above agree.
+
+A new static attribute (a compile-time switch, as FTRL's
+`multiply_linear_by_learning_rate`) is a spec field named in
+`static_attributes`, a field of `Hyperparameters` in `csrc/optimizers.h`
+and an attribute every backward handler binds (`PZSC_BIND_GRAD_OPERANDS` in
+`csrc/coo_layout.h`, and a parameter of `SparseDenseMatmulGradImpl` and
+`GradCudaImpl`): that changes the handlers' ABI, so bump `kAbiVersion`
+(`device/kernels/abi_version.h`).
 """
 
 from __future__ import annotations

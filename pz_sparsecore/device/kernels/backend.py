@@ -4,7 +4,7 @@ Example (a CPU-only build)::
 
   >>> print(pz_sparsecore.backend_info())
   pz_sparsecore kernels: .../pz_sparsecore/_pzsc_ffi.cpython-311-...so
-    ABI version 6 (expected 6), CUDA handlers: no
+    ABI version 7 (expected 7), CUDA handlers: no
     ragged-id reader: .../pz_sparsecore/_pzsc_ragged.cpython-311-...so
     target                  cpu        cuda
     forward                 ffi        reference
@@ -31,7 +31,8 @@ class BackendInfo:
     extension_path: The extension file loaded (or asked for), if known.
     load_error: Why no compiled handler runs, or None.
     abi_version: The ABI version the loaded file reports, if it loaded.
-    expected_abi_version: The ABI version this package expects.
+    expected_abi_version: The ABI version this package expects (its
+      ``abi_version.h``).
     cuda_build: Whether the extension has CUDA handlers.
     reader_path: The compiled ragged-id reader of host preprocessing, or
       None if it did not load (ids are then converted in Python).

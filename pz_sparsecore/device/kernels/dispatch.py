@@ -14,8 +14,9 @@ target and the caller's ``implementation``:
   :class:`~pz_sparsecore.device.kernels.ffi.KernelFallbackWarning`. Without any
   extension every call runs the reference; the import already warned.
 
-An extension built for another ABI version is an error for ``"ffi"`` and
-``None`` alike (``ffi.ExtensionMismatchError``), never a fallback.
+An extension built for another ABI version or other optimizers (a stale
+build) is an error for ``"ffi"`` and ``None`` alike
+(``ffi.ExtensionMismatchError``), never a fallback.
 
 A kernel with no compiled handler by design (target None: the fused update
 of a custom optimizer, whose row update is the user's JAX function) has one
@@ -136,8 +137,8 @@ def choose(
   Raises:
     ValueError: If ``implementation`` is ``"ffi"`` and the extension has no
       handler for ``target`` (or ``target`` is None).
-    ffi.ExtensionMismatchError: If the extension has another ABI version and
-      ``implementation`` is not ``"reference"``.
+    ffi.ExtensionMismatchError: If the extension has another ABI version or
+      other optimizers and ``implementation`` is not ``"reference"``.
   """
   if implementation == "reference":
     return reference_fn

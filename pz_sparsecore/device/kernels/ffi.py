@@ -1,19 +1,28 @@
 """Loading and registration of the C++ XLA FFI handlers, and their wrappers.
 
 The compiled extension ``pz_sparsecore._pzsc_ffi`` exposes one PyCapsule per
-handler and platform; importing this module loads it, checks its ABI version
-against :data:`ABI_VERSION` and registers every handler with
-``jax.ffi.register_ffi_target`` (CPU always; CUDA, the forward and every
-fused optimizer, for a build with the CUDA handlers: built by default where
-nvcc and a GPU are found, see ``docs/gpu.md``).
+handler and platform; importing this module loads it, checks it (below) and
+registers every handler with ``jax.ffi.register_ffi_target`` (CPU always;
+CUDA, the forward and every fused optimizer, for a build with the CUDA
+handlers: built by default where nvcc and a GPU are found, see
+``docs/gpu.md``).
+
+The check: the extension's ``abi_version()`` must be :data:`ABI_VERSION`,
+which is read from ``abi_version.h`` beside this module, the header the
+extension's build compiles in (the number is written there only); and its
+``optimizers()``, one ``(name, target, num_slots, num_hyperparameters)`` per
+optimizer handler, generated from ``csrc/optimizer_list.h``, must describe
+exactly the registry's compiled optimizers (:func:`expected_optimizers`).
+Either difference means a stale or foreign build.
 
 Nothing about the choice is silent:
 
 * The extension fails to load (not built, a broken file): importing this
   module warns once (:class:`KernelFallbackWarning`, naming the error) and
   every call runs the pure-JAX reference.
-* The extension loads but was built for another ABI version (a stale build):
-  no handler is registered and every call that would run one raises
+* The extension loads but was built for another ABI version, or its
+  optimizer handlers differ from the registry (a stale or foreign build): no
+  handler is registered and every call that would run one raises
   :class:`ExtensionMismatchError`; only ``implementation="reference"`` runs.
 * :func:`pz_sparsecore.backend_info` reports which file was loaded (or why
   none was) and which implementation runs for every target and platform.
@@ -39,8 +48,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.resources
 import importlib.util
 import os
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from types import ModuleType
@@ -54,9 +65,23 @@ from pz_sparsecore import _extension
 from pz_sparsecore.core import optimizers
 from pz_sparsecore.device.kernels import contract
 
-ABI_VERSION = 6
-"""The handlers' ABI this package was written for (``kAbiVersion`` in
-``csrc/module.cc``)."""
+ABI_HEADER = "abi_version.h"
+"""The header beside this module that defines the ABI version
+(``kAbiVersion``): compiled into the extension, read here."""
+
+
+def _read_abi_version() -> int:
+  """The ABI version :data:`ABI_HEADER` defines."""
+  header = importlib.resources.files(__package__) / ABI_HEADER
+  match = re.search(r"\bkAbiVersion = (\d+);", header.read_text())
+  if match is None:
+    raise ImportError(f"{header} defines no kAbiVersion")
+  return int(match.group(1))
+
+
+ABI_VERSION: int = _read_abi_version()
+"""The handlers' ABI this package was written for (read from
+:data:`ABI_HEADER`)."""
 
 LIBRARY_ENV = "PZSC_FFI_LIBRARY"
 """Environment variable: a path to the extension to load instead of the
@@ -72,12 +97,33 @@ class KernelFallbackWarning(RuntimeWarning):
 
 
 class ExtensionMismatchError(ImportError):
-  """The compiled extension was built for another ABI version."""
+  """The compiled extension was built for another ABI version, or for
+  other optimizers than the registry's."""
 
 
 def grad_target(optimizer: str) -> str:
   """The FFI target name of the fused backward for ``optimizer``."""
   return f"pzsc_sparse_dense_matmul_grad_{optimizer}"
+
+
+OptimizerHandler = tuple[str, str, int, int]
+"""One optimizer handler as the extension's ``optimizers()`` describes it:
+``(name, target, num_slots, num_hyperparameters)``."""
+
+
+def expected_optimizers() -> tuple[OptimizerHandler, ...]:
+  """The optimizer handlers the extension must have: one per compiled entry
+  of the registry, in registry order."""
+  return tuple(
+    (
+      opt.name,
+      grad_target(opt.name),
+      len(opt.slots),
+      len(opt.hyperparameter_names),
+    )
+    for opt in optimizers.REGISTRY.values()
+    if opt.compiled
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,26 +150,60 @@ def _load_file(path: str) -> ModuleType:
   return _extension.load_file(path, MODULE_NAME)
 
 
+def _describe(handler: OptimizerHandler | None) -> str:
+  if handler is None:
+    return "none"
+  _, target, num_slots, num_hyper = handler
+  return f"{target} with {num_slots} slots, {num_hyper} hyper-parameters"
+
+
+def _optimizer_mismatch(module: Any) -> str | None:
+  """How the extension's optimizer handlers differ from
+  :func:`expected_optimizers`, or None if they do not."""
+  describe = getattr(module, "optimizers", None)
+  if not callable(describe):
+    return "describes no optimizer handlers (it has no optimizers())"
+  got = {h[0]: tuple(h) for h in describe()}
+  want = {h[0]: h for h in expected_optimizers()}
+  diffs = [
+    f"{name}: extension {_describe(got.get(name))}, registry "
+    f"{_describe(want.get(name))}"
+    for name in sorted(got.keys() | want.keys())
+    if got.get(name) != want.get(name)
+  ]
+  if not diffs:
+    return None
+  return (
+    "has other optimizer handlers than the registry (" + "; ".join(diffs) + ")"
+  )
+
+
 def check_extension(module: Any, path: str | None) -> Extension:
-  """Checks a loaded extension's ABI version against :data:`ABI_VERSION`.
+  """Checks a loaded extension's ABI version against :data:`ABI_VERSION`
+  and its optimizer handlers against :func:`expected_optimizers`.
 
   Args:
     module: The loaded extension module.
     path: The file it was loaded from.
 
   Returns:
-    The extension, usable if its version matches; else a mismatch (no
-    module) whose error names the file, both versions and the fix.
+    The extension, usable if both match; else a mismatch (no module) whose
+    error names the file, the difference and the fix.
   """
   version = getattr(module, "abi_version", None)
   abi = int(version()) if callable(version) else None
   if abi != ABI_VERSION:
+    problem = (
+      f"has ABI version {abi} but this pz_sparsecore expects {ABI_VERSION}"
+    )
+  else:
+    problem = _optimizer_mismatch(module)
+  if problem is not None:
     return Extension(
       None,
       path,
       abi,
-      f"{path} has ABI version {abi} but this pz_sparsecore expects "
-      f"{ABI_VERSION}: rebuild the extension (pip install -e .) or unset "
+      f"{path} {problem}: rebuild the extension (pip install -e .) or unset "
       f"{LIBRARY_ENV}.",
       mismatch=True,
     )
@@ -173,10 +253,11 @@ def platforms(target: str) -> frozenset[str]:
 
 
 def require_compatible() -> None:
-  """Raises if the extension loaded but was built for another ABI.
+  """Raises if the extension loaded but was built for another ABI or other
+  optimizers.
 
   Raises:
-    ExtensionMismatchError: With the file, both versions and the fix.
+    ExtensionMismatchError: With the file, the difference and the fix.
   """
   if EXTENSION.mismatch:
     raise ExtensionMismatchError(EXTENSION.error)

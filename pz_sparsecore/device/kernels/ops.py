@@ -127,7 +127,8 @@ def sparse_dense_matmul(
   Raises:
     ValueError: If an operand's dtype, rank or size is inconsistent.
     ExtensionMismatchError: If the compiled extension was built for another
-      ABI version and ``implementation`` is not ``"reference"``.
+      ABI version or other optimizers and ``implementation`` is not
+      ``"reference"``.
 
   The FFI handler fails at run time with XLA's INVALID_ARGUMENT error (a
   ``ValueError``, or ``jax.errors.JaxRuntimeError`` when it surfaces after
@@ -229,7 +230,8 @@ def sparse_dense_matmul_grad(
     ValueError: If an operand's dtype, rank or size is inconsistent, the
       optimizer is unknown or a static attribute is not the optimizer's.
     ExtensionMismatchError: If the compiled extension was built for another
-      ABI version and ``implementation`` is not ``"reference"``.
+      ABI version or other optimizers and ``implementation`` is not
+      ``"reference"``.
 
   The FFI handler fails at run time with XLA's INVALID_ARGUMENT error (a
   ``ValueError``, or ``jax.errors.JaxRuntimeError`` when it surfaces after

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 
 from pz_sparsecore.compat.lib.core.primitives import optimizer_primitives
+from pz_sparsecore.core import optimizers
 from pz_sparsecore.core import specs as pz
 from pz_sparsecore.core.specs import (
   FeatureIdTransformation,
@@ -59,44 +60,69 @@ __all__ = [
   "write_back",
 ]
 
-SGDSlotVariables = collections.namedtuple("SGDSlotVariables", [])
-AdagradSlotVariables = collections.namedtuple(
-  "AdagradSlotVariables", ["accumulator"]
-)
-AdamSlotVariables = collections.namedtuple(
-  "AdamSlotVariables", ["momentum", "velocity"]
-)
-AdagradMomentumSlotVariables = collections.namedtuple(
-  "AdagradMomentumSlotVariables", ["accumulator", "momentum"]
-)
-FTRLSlotVariables = collections.namedtuple(
-  "FtrlSlotVariables", ["accumulator", "linear"]
-)
-LaPropSlotVariables = collections.namedtuple(
-  "LaPropSlotVariables", ["mu", "nu"]
-)
-F2ASlotVariables = collections.namedtuple(
-  "F2ASlotVariables", ["accumulator", "local_step"]
-)
+
+def _slot_variables(prefix: str, type_name: str | None = None) -> type:
+  """Upstream's namedtuple of the slots of `<prefix>OptimizerSpec`: the
+  registry's slot names, in kernel order."""
+  frozen = getattr(pz, f"{prefix}OptimizerSpec")
+  return collections.namedtuple(
+    type_name or f"{prefix}SlotVariables",
+    optimizers.get(frozen.kernel_name).slot_names,
+  )
+
+
+SGDSlotVariables = _slot_variables("SGD")
+AdagradSlotVariables = _slot_variables("Adagrad")
+AdamSlotVariables = _slot_variables("Adam")
+AdagradMomentumSlotVariables = _slot_variables("AdagradMomentum")
+FTRLSlotVariables = _slot_variables("FTRL", "FtrlSlotVariables")  # Upstream's.
+LaPropSlotVariables = _slot_variables("LaProp")
+F2ASlotVariables = _slot_variables("F2A")
 
 
 # ---------------------------------------------------------------------------
 # Optimizer specs: mutable, each a view of the frozen spec of the same name.
 
 
+_UNSET: Any = object()
+
+
+def _fields(frozen: type[pz.OptimizerSpec]) -> tuple[tuple[str, Any], ...]:
+  """`(name, default)` of every field of a frozen optimizer spec, in order
+  (`learning_rate` first)."""
+  return tuple(
+    (
+      field.name,
+      field.default
+      if field.default is not dataclasses.MISSING
+      else field.default_factory(),
+    )
+    for field in dataclasses.fields(frozen)
+  )
+
+
 class OptimizerSpec:
   """A table optimizer whose hyper-parameters can be assigned.
 
-  Subclasses list their hyper-parameters in `_FIELDS` (upstream's names and
-  defaults); every computation goes through the frozen pz_sparsecore spec
-  of the same class name (`to_pz`), built from the current values.
+  A subclass is named as the frozen pz_sparsecore spec it stands for and
+  takes from it its fields (upstream's names, defaults and order,
+  `learning_rate` first, the only one that may be passed positionally) and
+  its kernel name; every computation goes through that frozen spec, built
+  from the current values (`to_pz`).
   """
 
-  _FIELDS: tuple[tuple[str, Any], ...] = ()
-  _SHORT_NAME = ""
+  _FIELDS: tuple[tuple[str, Any], ...] = _fields(pz.OptimizerSpec)
+  _KERNEL_NAME = ""
 
-  def __init__(self, learning_rate: Any = 0.001, **hyper: Any):
-    self.learning_rate = learning_rate
+  def __init_subclass__(cls, **kwargs: Any):
+    super().__init_subclass__(**kwargs)
+    frozen = getattr(pz, cls.__name__)
+    cls._FIELDS = _fields(frozen)
+    cls._KERNEL_NAME = frozen.kernel_name
+
+  def __init__(self, learning_rate: Any = _UNSET, **hyper: Any):
+    if learning_rate is not _UNSET:
+      hyper["learning_rate"] = learning_rate
     for name, default in self._FIELDS:
       setattr(self, name, hyper.pop(name, default))
     if hyper:
@@ -105,9 +131,7 @@ class OptimizerSpec:
       )
 
   def _values(self) -> dict[str, Any]:
-    values = {"learning_rate": self.learning_rate}
-    values.update({name: getattr(self, name) for name, _ in self._FIELDS})
-    return values
+    return {name: getattr(self, name) for name, _ in self._FIELDS}
 
   def to_pz(self) -> pz.OptimizerSpec:
     """The frozen pz_sparsecore spec with the current values."""
@@ -136,11 +160,11 @@ class OptimizerSpec:
 
   def short_name(self) -> str:
     """The optimizer's short name (used in variable names)."""
-    return self._SHORT_NAME
+    return self._KERNEL_NAME
 
   def get_optimizer_primitive(self) -> Any:
     """The optimizer's update primitive (see `optimizer_primitives`)."""
-    return optimizer_primitives.primitive(self.short_name())
+    return optimizer_primitives.primitive(self._KERNEL_NAME)
 
   def __hash__(self) -> int:
     return hash(tuple(self._values().items()))
@@ -156,67 +180,25 @@ class OptimizerSpec:
 class SGDOptimizerSpec(OptimizerSpec):
   """SGD: `w <- w - lr * g`."""
 
-  _SHORT_NAME = "sgd"
-
 
 class AdagradOptimizerSpec(OptimizerSpec):
   """Adagrad: `a <- a + g**2; w <- w - lr * g / sqrt(a)`."""
-
-  _FIELDS = (("initial_accumulator_value", 0.1),)
-  _SHORT_NAME = "adagrad"
 
 
 class AdagradMomentumOptimizerSpec(OptimizerSpec):
   """Adagrad with momentum (and optional Nesterov)."""
 
-  _FIELDS = (
-    ("momentum", 0.9),
-    ("beta2", 1.0),
-    ("epsilon", 1e-10),
-    ("exponent", 2.0),
-    ("use_nesterov", False),
-    ("initial_accumulator_value", 0.1),
-    ("initial_momentum_value", 0.0),
-  )
-  _SHORT_NAME = "adagrad_momentum"
-
 
 class AdamOptimizerSpec(OptimizerSpec):
   """Adam with bias correction from the step."""
-
-  _FIELDS = (("beta_1", 0.9), ("beta_2", 0.999), ("epsilon", 1e-8))
-  _SHORT_NAME = "adam"
 
 
 class FTRLOptimizerSpec(OptimizerSpec):
   """Follow-the-regularized-leader."""
 
-  _FIELDS = (
-    ("learning_rate_power", -0.5),
-    ("l1_regularization_strength", 0.0),
-    ("l2_regularization_strength", 0.0),
-    ("beta", 0.0),
-    ("initial_accumulator_value", 0.1),
-    ("initial_linear_value", 0.0),
-    ("multiply_linear_by_learning_rate", False),
-  )
-  _SHORT_NAME = "ftrl"
-
-  def __init__(self, learning_rate: Any = 0.01, **hyper: Any):
-    super().__init__(learning_rate, **hyper)
-
 
 class LaPropOptimizerSpec(OptimizerSpec):
   """LaProp (Adam with the update normalised before momentum)."""
-
-  _FIELDS = (
-    ("b1", 0.9),
-    ("b2", 0.95),
-    ("eps", 1e-30),
-    ("rms_clip_threshold", None),
-    ("initial_slot_value", 0.0),
-  )
-  _SHORT_NAME = "laprop"
 
   def get_decay_rate(self, step: jax.Array | int | None = None) -> jax.Array:
     """The second-moment decay at `step`."""
@@ -226,34 +208,12 @@ class LaPropOptimizerSpec(OptimizerSpec):
 class F2AOptimizerSpec(OptimizerSpec):
   """F2A (FTRL-style adaptive with a per-row local step)."""
 
-  _FIELDS = (
-    ("rho", 0.5),
-    ("initial_accumulator_value", 0.1),
-    ("initial_local_step_value", 0.0),
-    ("l1_regularization_strength", 0.0),
-    ("l2_regularization_strength", 0.0),
-    ("max_lr_multiplier", 1e6),
-  )
-  _SHORT_NAME = "f2a"
-
-  def __init__(self, learning_rate: Any = 0.01, **hyper: Any):
-    super().__init__(learning_rate, **hyper)
-
 
 class CustomOptimizerSpec(OptimizerSpec):
   """An optimizer given as a JAX function of the touched rows."""
 
-  _FIELDS = (
-    ("custom_computation_fn", None),
-    ("slot_variable_initializers_tuple", ()),
-    ("short_name_str", "custom"),
-  )
-
   def short_name(self) -> str:
     return self.short_name_str
-
-  def get_optimizer_primitive(self) -> Any:
-    return optimizer_primitives.primitive("custom")
 
   def slot_variables_initializers(self) -> tuple[Callable[..., Any], ...]:
     return tuple(self.slot_variable_initializers_tuple)

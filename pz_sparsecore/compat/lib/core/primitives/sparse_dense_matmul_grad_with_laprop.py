@@ -3,5 +3,5 @@
 from pz_sparsecore.compat.lib.core.primitives import optimizer_primitives
 
 tpu_sparse_dense_matmul_grad_with_laprop_primitive = (
-  optimizer_primitives.primitive("laprop")
+  optimizer_primitives.of_module(__name__)
 )

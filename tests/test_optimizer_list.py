@@ -1,0 +1,187 @@
+"""The optimizer lists agree: C++ list, extension, registry, specs, compat.
+
+An optimizer is written down in a few places that cannot import each other:
+the C++ list `csrc/optimizer_list.h` (read here as text, so this runs without
+the extension), the extension's `optimizers()` generated from it (skipped
+when the extension did not load), the registry (`core/optimizers.py`), the
+frozen specs (`core/specs.py`) and the compat namespace's spec classes,
+slot tuples and primitive modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pathlib
+import re
+
+import pytest
+
+from pz_sparsecore.compat.lib.core.primitives import optimizer_primitives
+from pz_sparsecore.compat.lib.nn import embedding_spec
+from pz_sparsecore.core import optimizers, specs
+from pz_sparsecore.device.kernels import ffi
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CSRC = ROOT / "csrc"
+PRIMITIVES = ROOT / "pz_sparsecore/compat/lib/core/primitives"
+COMPILED = [opt for opt in optimizers.REGISTRY.values() if opt.compiled]
+
+
+def _cpp_list() -> list[tuple[str, str, int, int]]:
+  """The lines `X(Name, name, num_slots, num_hyperparameters)` of
+  `PZSC_OPTIMIZERS`, in order."""
+  text = (CSRC / "optimizer_list.h").read_text()
+  body = re.search(r"#define PZSC_OPTIMIZERS\(X\)((?:.*\\\n)*.*\n)", text)
+  assert body is not None, "optimizer_list.h defines no PZSC_OPTIMIZERS(X)"
+  lines = re.findall(r"X\((\w+), (\w+), (\d+), (\d+)\)", body.group(1))
+  return [(cpp, name, int(s), int(h)) for cpp, name, s, h in lines]
+
+
+def test_cpp_list_is_the_registry():
+  rows = _cpp_list()
+  assert [(name, s, h) for _, name, s, h in rows] == [
+    (opt.name, len(opt.slots), len(opt.hyperparameter_names))
+    for opt in COMPILED
+  ]
+  rules = (CSRC / "optimizers.h").read_text()
+  for cpp, name, num_slots, _ in rows:
+    # The element rule takes the table element, one element per slot and
+    # the gradient.
+    rule = re.search(rf"void {cpp}Element\(([^)]*)\)", rules)
+    assert rule is not None, f"optimizers.h has no {cpp}Element ({name})"
+    assert rule.group(1).count("float&") == 1 + num_slots, rule.group(0)
+
+
+def test_extension_describes_the_registry():
+  if ffi.EXTENSION.module is None:
+    pytest.skip(f"the extension did not load: {ffi.EXTENSION.error}")
+  module = ffi.EXTENSION.module
+  described = [tuple(h) for h in module.optimizers()]
+  assert described == list(ffi.expected_optimizers())
+  for _, target, _, _ in described:
+    assert ffi.available(target, "cpu"), target
+  assert module.abi_version() == ffi.ABI_VERSION
+
+
+def test_abi_version_is_written_once():
+  header = pathlib.Path(ffi.__file__).with_name(ffi.ABI_HEADER)
+  numbers = re.findall(r"kAbiVersion = (\d+);", header.read_text())
+  assert numbers == [str(ffi.ABI_VERSION)]
+  for path in CSRC.iterdir():
+    assert "kAbiVersion =" not in path.read_text(), path
+
+
+class _Extension:
+  """A loaded extension that reports `version` and `handlers`."""
+
+  def __init__(self, handlers, version=ffi.ABI_VERSION):
+    self.handlers = handlers
+    self.version = version
+
+  def abi_version(self):
+    return self.version
+
+  def optimizers(self):
+    return list(self.handlers)
+
+
+class _NoDescription:
+  """A loaded extension of this ABI version without `optimizers()`."""
+
+  def abi_version(self):
+    return ffi.ABI_VERSION
+
+
+def test_other_optimizer_handlers_are_a_mismatch():
+  want = list(ffi.expected_optimizers())
+  assert ffi.check_extension(_Extension(want), "/x.so").module is not None
+  name, target, num_slots, num_hyper = want[-1]
+  cases = {
+    "missing": (want[:-1], f"{name}: extension none, registry {target}"),
+    "slots": (
+      want[:-1] + [(name, target, num_slots + 1, num_hyper)],
+      f"{name}: extension {target} with {num_slots + 1} slots",
+    ),
+    "unknown": (
+      want + [("foo", "pzsc_sparse_dense_matmul_grad_foo", 1, 1)],
+      "foo: extension pzsc_sparse_dense_matmul_grad_foo",
+    ),
+  }
+  for handlers, message in cases.values():
+    ext = ffi.check_extension(_Extension(handlers), "/x/_pzsc_ffi.so")
+    assert ext.mismatch and ext.module is None
+    assert message in ext.error and "/x/_pzsc_ffi.so" in ext.error
+    assert "rebuild" in ext.error
+  no_description = ffi.check_extension(_NoDescription(), "/x.so")
+  assert no_description.mismatch
+  assert "no optimizers()" in no_description.error
+
+
+def _frozen_specs() -> dict[str, type]:
+  """Frozen optimizer spec classes by kernel name (custom aside)."""
+  return {
+    cls.kernel_name: cls
+    for cls in vars(specs).values()
+    if isinstance(cls, type)
+    and issubclass(cls, specs.OptimizerSpec)
+    and "kernel_name" in vars(cls)
+    and cls is not specs.CustomOptimizerSpec
+  }
+
+
+def test_every_registry_entry_has_its_spec():
+  frozen = _frozen_specs()
+  assert sorted(frozen) == sorted(optimizers.REGISTRY)
+  for name, cls in frozen.items():
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    opt = optimizers.REGISTRY[name]
+    for slot in opt.slots:
+      assert slot.initial_value_field in (None, *fields), (name, slot)
+    for attribute in opt.static_attributes:
+      assert fields[attribute].type in ("bool", bool), (name, attribute)
+    defaults = cls()
+    assert len(defaults.get_hyperparameters(3)) == len(opt.hyperparameter_names)
+
+
+def _compat_specs() -> list[type]:
+  return [
+    cls
+    for cls in vars(embedding_spec).values()
+    if isinstance(cls, type)
+    and issubclass(cls, embedding_spec.OptimizerSpec)
+    and cls is not embedding_spec.OptimizerSpec
+  ]
+
+
+def test_compat_specs_are_the_frozen_specs():
+  classes = _compat_specs()
+  assert {cls.__name__ for cls in classes} <= set(embedding_spec.__all__)
+  for cls in classes:
+    frozen = getattr(specs, cls.__name__)
+    assert cls._FIELDS == tuple(
+      (f.name, f.default) for f in dataclasses.fields(frozen)
+    )
+    if frozen is specs.CustomOptimizerSpec:
+      continue
+    assert cls().to_pz() == frozen()
+    name = frozen.kernel_name
+    assert cls().short_name() == name
+    prefix = cls.__name__.removesuffix("OptimizerSpec")
+    assert f"{prefix}SlotVariables" in embedding_spec.__all__
+    slot_type = getattr(embedding_spec, f"{prefix}SlotVariables")
+    assert slot_type._fields == optimizers.REGISTRY[name].slot_names
+
+
+def test_primitive_modules_are_named_for_registry_optimizers():
+  modules = sorted(PRIMITIVES.glob("sparse_dense_matmul_*.py"))
+  assert modules
+  for path in modules:
+    module = importlib.import_module(
+      f"pz_sparsecore.compat.lib.core.primitives.{path.stem}"
+    )
+    primitive = getattr(module, f"tpu_{path.stem}_primitive")
+    assert primitive.name == path.stem
+    assert primitive is optimizer_primitives.of_module(module.__name__)
+  with pytest.raises(ValueError, match="no optimizer of the registry"):
+    optimizer_primitives.of_module("x.sparse_dense_matmul_grad_with_foo")
