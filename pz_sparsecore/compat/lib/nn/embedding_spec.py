@@ -25,7 +25,7 @@ import jax
 
 from pz_sparsecore.compat.lib.core.primitives import optimizer_primitives
 from pz_sparsecore.core import optimizers
-from pz_sparsecore.core import specs as pz
+from pz_sparsecore.core import specs as frozen_specs
 from pz_sparsecore.core.specs import (
   FeatureIdTransformation,
   QuantizationConfig,
@@ -64,7 +64,7 @@ __all__ = [
 def _slot_variables(prefix: str, type_name: str | None = None) -> type:
   """Upstream's namedtuple of the slots of `<prefix>OptimizerSpec`: the
   registry's slot names, in kernel order."""
-  frozen = getattr(pz, f"{prefix}OptimizerSpec")
+  frozen = getattr(frozen_specs, f"{prefix}OptimizerSpec")
   return collections.namedtuple(
     type_name or f"{prefix}SlotVariables",
     optimizers.get(frozen.kernel_name).slot_names,
@@ -87,7 +87,9 @@ F2ASlotVariables = _slot_variables("F2A")
 _UNSET: Any = object()
 
 
-def _fields(frozen: type[pz.OptimizerSpec]) -> tuple[tuple[str, Any], ...]:
+def _fields(
+  frozen: type[frozen_specs.OptimizerSpec],
+) -> tuple[tuple[str, Any], ...]:
   """`(name, default)` of every field of a frozen optimizer spec, in order
   (`learning_rate` first)."""
   return tuple(
@@ -111,12 +113,12 @@ class OptimizerSpec:
   from the current values (`to_pz`).
   """
 
-  _FIELDS: tuple[tuple[str, Any], ...] = _fields(pz.OptimizerSpec)
+  _FIELDS: tuple[tuple[str, Any], ...] = _fields(frozen_specs.OptimizerSpec)
   _KERNEL_NAME = ""
 
   def __init_subclass__(cls, **kwargs: Any):
     super().__init_subclass__(**kwargs)
-    frozen = getattr(pz, cls.__name__)
+    frozen = getattr(frozen_specs, cls.__name__)
     cls._FIELDS = _fields(frozen)
     cls._KERNEL_NAME = frozen.kernel_name
 
@@ -133,9 +135,9 @@ class OptimizerSpec:
   def _values(self) -> dict[str, Any]:
     return {name: getattr(self, name) for name, _ in self._FIELDS}
 
-  def to_pz(self) -> pz.OptimizerSpec:
+  def to_pz(self) -> frozen_specs.OptimizerSpec:
     """The frozen pz_sparsecore spec with the current values."""
-    return getattr(pz, type(self).__name__)(**self._values())
+    return getattr(frozen_specs, type(self).__name__)(**self._values())
 
   def get_learning_rate(self, step: jax.Array | int | None = None) -> jax.Array:
     """The learning rate at `step`, a float32 scalar."""
@@ -219,10 +221,10 @@ class CustomOptimizerSpec(OptimizerSpec):
     return tuple(self.slot_variable_initializers_tuple)
 
 
-def _optimizer_to_pz(optimizer: Any) -> pz.OptimizerSpec:
+def _optimizer_to_pz(optimizer: Any) -> frozen_specs.OptimizerSpec:
   if isinstance(optimizer, OptimizerSpec):
     return optimizer.to_pz()
-  if isinstance(optimizer, pz.OptimizerSpec):
+  if isinstance(optimizer, frozen_specs.OptimizerSpec):
     return optimizer
   raise ValueError(f"optimizer must be an OptimizerSpec, got {optimizer!r}")
 
@@ -257,8 +259,10 @@ class TableSpec:
   initializer: Callable[..., Any]
   optimizer: OptimizerSpec
   combiner: str
-  max_ids_per_partition: int = pz.DEFAULT_MAX_IDS_PER_PARTITION
-  max_unique_ids_per_partition: int = pz.DEFAULT_MAX_UNIQUE_IDS_PER_PARTITION
+  max_ids_per_partition: int = frozen_specs.DEFAULT_MAX_IDS_PER_PARTITION
+  max_unique_ids_per_partition: int = (
+    frozen_specs.DEFAULT_MAX_UNIQUE_IDS_PER_PARTITION
+  )
   suggested_coo_buffer_size_per_device: int | None = None
   quantization_config: QuantizationConfig | None = None
   _initialized: bool = dataclasses.field(
@@ -360,22 +364,26 @@ class FeatureSpec:
 
 def is_feature(x: Any) -> bool:
   """Whether `x` is a (compat or frozen) `FeatureSpec`: a spec tree leaf."""
-  return isinstance(x, FeatureSpec | pz.FeatureSpec)
+  return isinstance(x, FeatureSpec | frozen_specs.FeatureSpec)
 
 
 def _stacked_to_pz(stacked: StackedTableSpec | None) -> StackedTableSpec | None:
-  if stacked is None or isinstance(stacked.optimizer, pz.OptimizerSpec):
+  if stacked is None or isinstance(
+    stacked.optimizer, frozen_specs.OptimizerSpec
+  ):
     return stacked
   return stacked.replace(optimizer=_optimizer_to_pz(stacked.optimizer))
 
 
-def table_to_pz(table: TableSpec | pz.TableSpec) -> pz.TableSpec:
+def table_to_pz(
+  table: TableSpec | frozen_specs.TableSpec,
+) -> frozen_specs.TableSpec:
   """The frozen spec of a compat `TableSpec` (a frozen one is returned)."""
-  if isinstance(table, pz.TableSpec):
+  if isinstance(table, frozen_specs.TableSpec):
     return table
   if not isinstance(table, TableSpec):
     raise ValueError(f"expected a TableSpec, got {type(table).__name__}")
-  return pz.TableSpec(
+  return frozen_specs.TableSpec(
     name=table.name,
     vocabulary_size=table.vocabulary_size,
     embedding_dim=table.embedding_dim,
@@ -401,7 +409,7 @@ def to_pz(feature_specs: Any, *, last_table_per_name: bool = False) -> Any:
   `last_table_per_name`, different table objects of one name all become the
   last one (upstream's preparation keys tables by name).
   """
-  tables: dict[Any, pz.TableSpec] = {}
+  tables: dict[Any, frozen_specs.TableSpec] = {}
   last: dict[str, Any] = {}
   if last_table_per_name:
     for feature in jax.tree.leaves(feature_specs, is_leaf=is_feature):
@@ -409,7 +417,7 @@ def to_pz(feature_specs: Any, *, last_table_per_name: bool = False) -> Any:
         last[feature.table_spec.name] = feature.table_spec
 
   def convert(feature: Any) -> Any:
-    if isinstance(feature, pz.FeatureSpec):
+    if isinstance(feature, frozen_specs.FeatureSpec):
       return feature
     if not isinstance(feature, FeatureSpec):
       raise ValueError(
@@ -419,7 +427,7 @@ def to_pz(feature_specs: Any, *, last_table_per_name: bool = False) -> Any:
     key = id(table)
     if key not in tables:
       tables[key] = table_to_pz(table)
-    return pz.FeatureSpec(
+    return frozen_specs.FeatureSpec(
       name=feature.name,
       table_spec=tables[key],
       input_shape=feature.input_shape,
@@ -430,7 +438,9 @@ def to_pz(feature_specs: Any, *, last_table_per_name: bool = False) -> Any:
   return jax.tree.map(convert, feature_specs, is_leaf=is_feature)
 
 
-def _compat_optimizer(table: TableSpec, frozen: pz.OptimizerSpec) -> Any:
+def _compat_optimizer(
+  table: TableSpec, frozen: frozen_specs.OptimizerSpec
+) -> Any:
   optimizer = table.optimizer
   if isinstance(optimizer, OptimizerSpec) and optimizer.to_pz() == frozen:
     return optimizer
@@ -448,7 +458,7 @@ def write_back(feature_specs: Any, frozen_specs: Any) -> None:
     write_back_table(feature.table_spec, new.table_spec)
 
 
-def write_back_table(table: TableSpec, new: pz.TableSpec) -> None:
+def write_back_table(table: TableSpec, new: frozen_specs.TableSpec) -> None:
   """Fills one compat table in place from its frozen counterpart."""
   table.setting_in_stack = new.setting_in_stack
   stacked = new.stacked_table_spec
