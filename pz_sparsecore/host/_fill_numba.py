@@ -1,10 +1,10 @@
-"""The numba fill of the lookup buffers (private to `preprocess`).
+"""The numba fill of the lookup buffers (private to `fill`).
 
-`fill_buffers` does all the per-SparseCore work of
-`preprocess.preprocess_for_plan` in one parallel loop over work items
+`fill_buffers` does all the per-SparseCore work of `fill.fill` (one batch of
+`preprocess.preprocess_for_plan`) in one parallel loop over work items
 `w = (stack, local device, local SparseCore)`. It takes named structures of
 flat arrays (`Batch`, `Features`, `Stacks`, `Outputs`) and of scalars
-(`Scalars`), prepared and validated by `preprocess.py`; it trusts them. The
+(`Scalars`), prepared and validated by `fill.py`; it trusts them. The
 buffer format (alignment, padding) is `buffer_format`'s.
 
 Per work item, in phases:

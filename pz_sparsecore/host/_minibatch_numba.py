@@ -1,6 +1,6 @@
 """The numba half of minibatching (private to `minibatching`).
 
-Both phases read the first pass: the buffers `preprocess.fill` wrote with
+Both phases read the first pass: the buffers `fill.fill` wrote with
 the limits lifted (every SparseCore segment holds all its merged entries,
 partitions in order, each sorted by (local row, sample)) and the raw ids
 merged into each entry.

@@ -6,7 +6,7 @@ shape `[N, V_shard, D]`. Two other views of the same values exist:
 
 * The *positional* view (`table_arrays`, `slot_arrays`, `assign_arrays`): the
   same arrays unwrapped in that axis order, still sharded on the devices, as
-  `parallel.lookup` and `parallel.apply_gradients` take them.
+  `device.routing.lookup` and `routing.apply_gradients` take them.
 * The *logical* view (`logical_tables`, `logical_slots` and their setters):
   one `[vocab, dim]` numpy array per table, unstacked and unsharded, as a
   user sees it. Reading gathers the stack to the host;

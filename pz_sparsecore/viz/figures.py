@@ -3,7 +3,7 @@
 Rendering a `SparseCoreEmbed`, a `PreprocessedInput`, a
 `SparseDenseMatmulInputStats` or a spec with Treescope (`treescope.show`,
 `pz.show`, `treescope.render_to_html`) gives a one-line summary that expands
-into per-stack details and the usual attribute tree (see `_treescope`).
+into per-stack details and the usual attribute tree (see `viz.treescope`).
 This module adds the figures; each returns a `TreescopeFigure`, displayable
 in a notebook (`_repr_html_`) and turned into a standalone HTML fragment by
 `to_html`:

@@ -9,8 +9,9 @@ comments disappear and the node reads like an ordinary constructor call.
 
 The `__treescope_repr__` methods of `SparseCoreEmbed`, `PreprocessedInput`,
 `SparseDenseMatmulInputStats` and the spec classes import this module lazily
-and call `render`. The plain-text summaries (`summary`, `details`) are the
-ones `viz.describe` prints.
+and call its `render_*` function for their type (`render_embed`,
+`render_inputs`, ...). The plain-text summaries and details (`*_summary`,
+`*_details`) are the ones `viz.describe` prints.
 
 Stack details come from the `plan.Plan` of the layer's specs; the number of
 valid entries of concrete buffers is `buffer_format.count_valid_entries`.
