@@ -82,6 +82,7 @@ _EXPORTS = {
   "ExchangeBytes": "device.exchange",
   # penzai side
   "SparseCoreEmbed": "nn.embed",
+  "SparseCoreLookup": "nn.lookup",
   "SparseCoreTrainer": "nn.training",
   "variable_jit": "nn.jit",
   "NonFiniteUpdateError": "nn.training",

@@ -128,7 +128,7 @@ def _feature_axes(
   return tuple(out)
 
 
-def _make_config(
+def make_config(
   name: str,
   feature_specs: Any,
   topology: topology_lib.Topology,
@@ -248,7 +248,7 @@ def _init_slot(
   return fn()
 
 
-def _make_variables(
+def make_variables(
   config: EmbedConfig, init_base_rng: jax.Array | None
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
   """Each stack's table and slots (variable slots if no key is given)."""
@@ -355,7 +355,7 @@ class SparseCoreEmbed(pz.nn.Layer):
       num_sc_per_device,
       exchange,
     )
-    config = _make_config(
+    config = make_config(
       name,
       feature_specs,
       topology,
@@ -363,7 +363,7 @@ class SparseCoreEmbed(pz.nn.Layer):
       embedding_axis,
       axis_name_to_mesh_name,
     )
-    tables, slots = _make_variables(config, init_base_rng)
+    tables, slots = make_variables(config, init_base_rng)
     return cls(tables=tables, slots=slots, config=config)
 
   def preprocess(
@@ -442,7 +442,7 @@ class SparseCoreEmbed(pz.nn.Layer):
         check the buffers' contents first (see `validate`).
     """
     config = self.config
-    _check_inputs(config, inputs)
+    check_inputs(config, inputs)
     if side_inputs.get("validate", False):
       self.validate(inputs)
     acts = routing.lookup(
@@ -478,7 +478,7 @@ class SparseCoreEmbed(pz.nn.Layer):
         and value of the first bad entry, or if `inputs` are traced.
     """
     config = self.config
-    _check_inputs(config, inputs)
+    check_inputs(config, inputs)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(inputs)):
       raise ValueError(
         f"SparseCoreEmbed {config.name!r}: validate needs concrete buffers; "
@@ -510,7 +510,7 @@ class SparseCoreEmbed(pz.nn.Layer):
       step: The training step, for step-dependent optimizers.
     """
     config = self.config
-    _check_inputs(config, inputs)
+    check_inputs(config, inputs)
     tables, slots = routing.apply_gradients(
       config.plan,
       config.topology,
@@ -646,7 +646,7 @@ def _input_shapes(config: EmbedConfig, minibatched: bool) -> PreprocessedInput:
   )
 
 
-def _check_inputs(config: EmbedConfig, inputs: Any) -> None:
+def check_inputs(config: EmbedConfig, inputs: Any) -> None:
   """Raises unless `inputs` are buffers of this layer's `preprocess`."""
   if not isinstance(inputs, PreprocessedInput):
     raise ValueError(
@@ -701,7 +701,7 @@ def _struct_text(x: Any) -> str:
 def fits(embed: SparseCoreEmbed, inputs: Any) -> bool:
   """Whether `inputs` have the stacks and buffer shapes `embed` takes."""
   try:
-    _check_inputs(embed.config, inputs)
+    check_inputs(embed.config, inputs)
   except ValueError:
     return False
   return True

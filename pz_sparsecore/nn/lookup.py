@@ -1,0 +1,609 @@
+"""`SparseCoreLookup`: the drop-in for `pz.nn.EmbeddingLookup`.
+
+The layer has `EmbeddingLookup`'s contract: integer token ids with any named
+axes in, those axes plus the embedding axes out::
+
+  lookup = pzsc.SparseCoreLookup.from_config(
+      "embedder", key, vocab_size=2**20, embedding_axes={"embedding": 64},
+      mesh=mesh, optimizer=pzsc.AdagradOptimizerSpec(learning_rate=0.05))
+  lookup(pz.nx.wrap(tokens).tag("batch", "seq"))  # {batch, seq, embedding}
+
+or, converting every lookup of an existing Penzai model::
+
+  model = pz.select(model).at_instances_of(pz.nn.EmbeddingLookup).apply(
+      lambda l: pzsc.SparseCoreLookup.from_lookup(l, mesh=mesh, optimizer=opt))
+
+Its table is one `pz.Parameter` labelled like Penzai's
+(`f"{name}.embeddings"`), MOD-sharded over the mesh as `SparseCoreEmbed`'s
+stacks are (`[N, V_shard, D]`, axes `("sc_shard", "sc_row",
+"sc_embedding")`, `D` the product of the embedding axes' sizes); its
+optimizer slots are `pz.StateVariable`s labelled `f"{name}.{slot}"`.
+
+No host step is needed: each call builds its lookup buffers on the device
+from the ids (`pz_sparsecore.device.build`), for a plan sized from the
+call's static shape (its sample count rounded up to a multiple of the
+shard count N; padding samples have no id). One set of variables serves
+every shape: a training batch, a prompt, a one-token decoding step. Ids
+outside `[0, vocab_size)` are refused with a `ValueError` when the call sees
+concrete ids; under `jit`, such an id looks up a zero vector and takes no
+gradient.
+
+The host path stays for large batches: `lookup.preprocess(ids)` runs the
+numba preprocessor (FDO limits, upstream's byte layout) and the call reads
+those buffers from the side input named by `host_input`
+(`model(tokens, sparsecore_inputs=buffers)`); both paths share the kernels
+and the tables.
+
+A `SparseCoreLookup` is a `SparseCoreEmbed` (one table, one feature), so the
+trainer, `pzsc.variable_jit`, checkpoints, FDO, the logical views and
+Treescope take it as they take the multi-feature layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from penzai import pz
+
+from pz_sparsecore.core import buffer_format, layout
+from pz_sparsecore.core import plan as plan_lib
+from pz_sparsecore.core.specs import FeatureSpec, OptimizerSpec, TableSpec
+from pz_sparsecore.device import build, routing
+from pz_sparsecore.device import topology as topology_lib
+from pz_sparsecore.host.preprocess import (
+  PreprocessedInput,
+  SparseDenseMatmulInputStats,
+)
+from pz_sparsecore.nn import axis_mapping as axis_mapping_lib
+from pz_sparsecore.nn import embed as embed_lib
+from pz_sparsecore.nn.tables import table_arrays
+
+__all__ = ["TABLE_AXIS", "LookupConfig", "SparseCoreLookup"]
+
+TABLE_AXIS = "sc_embedding"
+"""The name of the physical table's column axis (the embedding axes
+flattened). A model's sharding mapping never names it, so Penzai's placement
+of the model's activations cannot split a table's rows."""
+
+_SAMPLE_AXIS = "sc_sample"
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupConfig(embed_lib.EmbedConfig):
+  """An `EmbedConfig` of one table looked up by one id per sample.
+
+  `plan` is the table's plan for N samples (one per shard); `plan_for`
+  gives the plan of a call's padded sample count, with the same table
+  layout.
+
+  Attributes:
+    label: The table parameter's label (Penzai's `f"{name}.embeddings"`).
+    vocab_size: Rows of the table.
+    embedding_axes: `(name, size)` of each embedding axis, in order.
+    vocabulary_axis: The vocabulary axis name of the table's
+      vocabulary-order view (`EmbeddingTable`'s `vocabulary_axis`).
+    host_input: The side input that may carry host-preprocessed buffers.
+    max_ids_per_partition: Limit on ids one SparseCore sends one shard, or
+      None for the worst case of each shape (nothing can be dropped).
+  """
+
+  label: str = ""
+  vocab_size: int = 0
+  embedding_axes: tuple[tuple[str, int], ...] = ()
+  vocabulary_axis: str = "vocabulary"
+  host_input: str = "sparsecore_inputs"
+  max_ids_per_partition: int | None = None
+
+  @property
+  def stem(self) -> str:
+    """The label without its `.embeddings` suffix (slot labels' prefix)."""
+    suffix = ".embeddings"
+    label = self.label
+    return label[: -len(suffix)] if label.endswith(suffix) else label
+
+  def table_label(self, stack: str) -> str:
+    del stack
+    return self.label
+
+  def slot_label(self, stack: str, slot: str) -> str:
+    del stack
+    return f"{self.stem}.{slot}"
+
+  @property
+  def feature(self) -> str:
+    """The name of the layer's one feature (and of its table and stack)."""
+    return self.plan.feature_specs[0].name
+
+  @property
+  def dim(self) -> int:
+    """`D`, the product of the embedding axes' sizes."""
+    return math.prod(size for _, size in self.embedding_axes)
+
+  def padded_samples(self, samples: int) -> int:
+    """`samples` rounded up to a multiple of the shard count (at least N)."""
+    n = self.topology.num_shards
+    return max(n, buffer_format.round_up(samples, n))
+
+  def plan_for(self, samples: int) -> plan_lib.Plan:
+    """The plan of a call with `samples` samples (padded to N's multiple)."""
+    return _plan_for(self, self.padded_samples(samples))
+
+
+def _table_spec(
+  name: str,
+  vocab_size: int,
+  dim: int,
+  optimizer: OptimizerSpec,
+  initializer: Any,
+  limit: int,
+) -> TableSpec:
+  return TableSpec(
+    name=name,
+    vocabulary_size=vocab_size,
+    embedding_dim=dim,
+    initializer=initializer,
+    optimizer=optimizer,
+    combiner="sum",
+    max_ids_per_partition=limit,
+    max_unique_ids_per_partition=limit,
+  )
+
+
+def _feature_spec(table: TableSpec, samples: int) -> FeatureSpec:
+  return FeatureSpec(
+    name=table.name,
+    table_spec=table,
+    input_shape=(samples, 1),
+    output_shape=(samples, table.embedding_dim),
+  )
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_for(config: LookupConfig, samples: int) -> plan_lib.Plan:
+  base = config.plan
+  topo = config.topology
+  table = base.stacks[0].tables[0]
+  per_sc = samples // topo.num_shards
+  limit = per_sc
+  if config.max_ids_per_partition is not None:
+    limit = min(per_sc, config.max_ids_per_partition)
+  spec = _feature_spec(
+    _table_spec(
+      table.name,
+      table.vocabulary_size,
+      table.embedding_dim,
+      table.optimizer,
+      table.initializer,
+      max(limit, 1),
+    ),
+    samples,
+  )
+  prepared = layout.prepare_feature_specs_for_training(
+    spec, topo.num_devices, topo.num_sc_per_device
+  )
+  plan = plan_lib.build(prepared, topo.num_devices, topo.num_sc_per_device)
+  got, want = plan.stacks[0], base.stacks[0]
+  assert (got.name, got.rows_per_shard, got.dim) == (
+    want.name,
+    want.rows_per_shard,
+    want.dim,
+  ), (got, want)
+  return plan
+
+
+def _embedding_axes(embedding_axes: Mapping[str, int]) -> tuple:
+  if not isinstance(embedding_axes, Mapping) or not embedding_axes:
+    raise ValueError(
+      "embedding_axes must be a non-empty dict of axis name → size, e.g. "
+      f'{{"embedding": 64}}, got {embedding_axes!r}'
+    )
+  out = []
+  for name, size in embedding_axes.items():
+    if not isinstance(size, (int, np.integer)) or size <= 0:
+      raise ValueError(
+        f"embedding axis {name!r} must have a positive integer size, got "
+        f"{size!r}"
+      )
+    out.append((str(name), int(size)))
+  return tuple(out)
+
+
+def _default_initializer(key, shape, dtype=jnp.float32):
+  # Penzai's EmbeddingTable default: variance scaling over the embedding
+  # axes (fan out), scale 1.
+  return jax.nn.initializers.variance_scaling(1.0, "fan_out", "normal")(
+    key, shape, dtype
+  )
+
+
+def _make_lookup_config(
+  label: str,
+  vocab_size: int,
+  embedding_axes: Any,
+  mesh: Mesh,
+  optimizer: OptimizerSpec,
+  *,
+  initializer: Any,
+  vocabulary_axis: str,
+  num_sc_per_device: int,
+  sharding_axis: Any,
+  exchange: str,
+  axis_name_to_mesh_name: Mapping[str, Any] | None,
+  host_input: str,
+  max_ids_per_partition: int | None,
+) -> LookupConfig:
+  if not isinstance(mesh, Mesh):
+    raise ValueError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
+  if not isinstance(optimizer, OptimizerSpec):
+    raise ValueError(
+      f"SparseCoreLookup {label!r}: optimizer must be an optimizer spec "
+      f"(e.g. pzsc.AdagradOptimizerSpec(...)), got {optimizer!r}"
+    )
+  axes = _embedding_axes(embedding_axes)
+  if vocabulary_axis in dict(axes):
+    raise ValueError(
+      f"SparseCoreLookup {label!r}: the vocabulary axis {vocabulary_axis!r}"
+      f" is also an embedding axis {dict(axes)}"
+    )
+  if max_ids_per_partition is not None and max_ids_per_partition <= 0:
+    raise ValueError(
+      f"SparseCoreLookup {label!r}: max_ids_per_partition must be positive "
+      f"or None, got {max_ids_per_partition!r}"
+    )
+  topology_lib.check_mesh(mesh)
+  topology = topology_lib.Topology(
+    mesh,
+    axis_mapping_lib.shard_axes(mesh, axis_name_to_mesh_name, sharding_axis),
+    num_sc_per_device,
+    exchange,
+  )
+  stem = (
+    label[: -len(".embeddings")] if label.endswith(".embeddings") else label
+  )
+  table = _table_spec(
+    stem,
+    vocab_size,
+    math.prod(size for _, size in axes),
+    optimizer,
+    initializer or _default_initializer,
+    1,
+  )
+  base = embed_lib.make_config(
+    stem,
+    _feature_spec(table, topology.num_shards),
+    topology,
+    ((_SAMPLE_AXIS,),),
+    TABLE_AXIS,
+    {
+      k: v
+      for k, v in (axis_name_to_mesh_name or {}).items()
+      if k == embed_lib.SHARD_AXIS
+    },
+  )
+  return LookupConfig(
+    **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+    label=label,
+    vocab_size=int(vocab_size),
+    embedding_axes=axes,
+    vocabulary_axis=vocabulary_axis,
+    host_input=host_input,
+    max_ids_per_partition=max_ids_per_partition,
+  )
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _physical(values: jax.Array, config: LookupConfig):
+  """A logical `[V, D]` table as the layer's `[N, V_shard, D]` stack."""
+  stack = config.plan.stacks[0]
+  setting = stack.tables[0].setting_in_stack
+  n = config.topology.num_shards
+  rows = setting.padded_vocab_size // n
+  padded = jnp.zeros((setting.padded_vocab_size, stack.dim), jnp.float32)
+  padded = padded.at[: values.shape[0], : values.shape[1]].set(values)
+  sharded = padded.reshape(rows, n, stack.dim).swapaxes(0, 1)
+  sharded = jnp.roll(sharded, setting.shard_rotation, axis=0)
+  out = jnp.zeros((n, stack.rows_per_shard, stack.dim), jnp.float32)
+  out = jax.lax.dynamic_update_slice_in_dim(
+    out, sharded, setting.row_offset_in_shard, axis=1
+  )
+  return jax.lax.with_sharding_constraint(out, config.topology.sharding(3))
+
+
+def _check_ids(config: LookupConfig, ids: Any) -> None:
+  """Refuses out-of-range ids when they are concrete."""
+  if isinstance(ids, jax.core.Tracer):
+    return
+  values = np.asarray(ids)
+  if not values.size:
+    return
+  bad = (values < 0) | (values >= config.vocab_size)
+  if bad.any():
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(
+      f"SparseCoreLookup {config.label!r}: token id {int(values[where])} at "
+      f"position {where} is outside [0, {config.vocab_size})"
+    )
+
+
+@pz.pytree_dataclass(
+  has_implicitly_inherited_fields=True
+)  # pytype: disable=wrong-keyword-args
+class SparseCoreLookup(embed_lib.SparseCoreEmbed):
+  """Looks token ids up in one MOD-sharded table, like `EmbeddingLookup`.
+
+  Attributes:
+    tables: `{feature: pz.Parameter}`, the one table.
+    slots: `{feature: {slot: pz.StateVariable}}`, its optimizer slots.
+    config: A `LookupConfig`.
+    activation_probe: As `SparseCoreEmbed`'s (set by trainers).
+  """
+
+  @classmethod
+  def from_config(  # pytype: disable=signature-mismatch
+    cls,
+    name: str,
+    init_base_rng: jax.Array | None,
+    vocab_size: int,
+    embedding_axes: dict[str, int],
+    mesh: Mesh,
+    optimizer: OptimizerSpec,
+    *,
+    vocabulary_axis: str = "vocabulary",
+    initializer: Any = None,
+    num_sc_per_device: int = 1,
+    sharding_axis: str | tuple[str, ...] | None = None,
+    exchange: str = "auto",
+    axis_name_to_mesh_name: Mapping[str, Any] | None = None,
+    host_input: str = "sparsecore_inputs",
+    max_ids_per_partition: int | None = None,
+  ) -> SparseCoreLookup:
+    """Builds the layer and its sharded variables.
+
+    Mirrors `pz.nn.EmbeddingTable.from_config`: the table parameter is
+    labelled `f"{name}.embeddings"`.
+
+    Args:
+      name: Layer name; labels are `f"{name}.embeddings"` and
+        `f"{name}.{slot}"`.
+      init_base_rng: Key of the initializer, or None for slots to be filled
+        later (e.g. by `restore_checkpoint`).
+      vocab_size: Rows of the table.
+      embedding_axes: Embedding axis name → size, e.g. `{"embedding": 64}`.
+      mesh: A `jax.sharding.Mesh` (Auto axes).
+      optimizer: The table's optimizer spec (its fused in-place update).
+      vocabulary_axis: The vocabulary axis of the vocabulary-order view.
+      initializer: `(key, shape, dtype) -> array`, called once per shard
+        with shape `[rows of the shard, D]`; default: Penzai's embedding
+        initializer (variance scaling over the embedding axes).
+      num_sc_per_device: Virtual SparseCores per device.
+      sharding_axis: The mesh axes the table's rows are sharded over
+        (default: all).
+      exchange: `"auto"`, `"activations"` or `"rows"`
+        (`pz_sparsecore.device.exchange`).
+      axis_name_to_mesh_name: A Penzai placement mapping; only its
+        `"sc_shard"` entry concerns the table (other names are the model's).
+      host_input: The side input that may carry host-preprocessed buffers
+        (`preprocess`).
+      max_ids_per_partition: Window of ids one SparseCore sends one shard;
+        None sizes it for the worst case of each call's shape. Smaller
+        limits shrink the exchange; a call over them raises.
+
+    Returns:
+      The layer.
+    """
+    config = _make_lookup_config(
+      f"{name}.embeddings",
+      vocab_size,
+      embedding_axes,
+      mesh,
+      optimizer,
+      initializer=initializer,
+      vocabulary_axis=vocabulary_axis,
+      num_sc_per_device=num_sc_per_device,
+      sharding_axis=sharding_axis,
+      exchange=exchange,
+      axis_name_to_mesh_name=axis_name_to_mesh_name,
+      host_input=host_input,
+      max_ids_per_partition=max_ids_per_partition,
+    )
+    tables, slots = embed_lib.make_variables(config, init_base_rng)
+    return cls(tables=tables, slots=slots, config=config)
+
+  @classmethod
+  def from_lookup(
+    cls,
+    lookup: pz.nn.EmbeddingLookup,
+    *,
+    mesh: Mesh,
+    optimizer: OptimizerSpec,
+    axis_name_to_mesh_name: Mapping[str, Any] | None = None,
+    num_sc_per_device: int = 1,
+    sharding_axis: str | tuple[str, ...] | None = None,
+    exchange: str = "auto",
+    host_input: str = "sparsecore_inputs",
+    max_ids_per_partition: int | None = None,
+  ) -> SparseCoreLookup:
+    """Converts a `pz.nn.EmbeddingLookup`, keeping its values, label and
+    axis names.
+
+    Args:
+      lookup: The lookup, its table parameter bound (a `pz.Parameter`).
+      mesh, optimizer, axis_name_to_mesh_name, num_sc_per_device,
+        sharding_axis, exchange, host_input, max_ids_per_partition: As
+        `from_config`.
+
+    Returns:
+      A `SparseCoreLookup` whose table holds the lookup's values, sharded.
+
+    Raises:
+      ValueError: If `lookup` is not an `EmbeddingLookup` or its table is
+        not a bound parameter.
+    """
+    if not isinstance(lookup, pz.nn.EmbeddingLookup):
+      raise ValueError(
+        f"from_lookup takes a pz.nn.EmbeddingLookup, got "
+        f"{type(lookup).__name__}"
+      )
+    param = lookup.table.embeddings
+    if not isinstance(param, pz.Parameter):
+      raise ValueError(
+        f"from_lookup: the lookup's table is {type(param).__name__}, not a "
+        "bound pz.Parameter (bind its variables first)"
+      )
+    value = param.value
+    vocab_axis = lookup.table.vocabulary_axis
+    named = dict(value.named_shape)
+    if value.positional_shape or vocab_axis not in named:
+      raise ValueError(
+        f"from_lookup: table {param.label!r} has axes {named} and "
+        f"positional shape {value.positional_shape}; expected the named "
+        f"vocabulary axis {vocab_axis!r} and embedding axes"
+      )
+    emb = {k: v for k, v in named.items() if k != vocab_axis}
+    config = _make_lookup_config(
+      param.label,
+      named[vocab_axis],
+      emb,
+      mesh,
+      optimizer,
+      initializer=None,
+      vocabulary_axis=vocab_axis,
+      num_sc_per_device=num_sc_per_device,
+      sharding_axis=sharding_axis,
+      exchange=exchange,
+      axis_name_to_mesh_name=axis_name_to_mesh_name,
+      host_input=host_input,
+      max_ids_per_partition=max_ids_per_partition,
+    )
+    logical = value.unwrap(vocab_axis, *emb).reshape(named[vocab_axis], -1)
+    tables, slots = embed_lib.make_variables(config, jax.random.key(0))
+    stack = config.plan.stacks[0].name
+    tables[stack].value = embed_lib.named_table(
+      config,
+      _physical(logical.astype(jnp.float32), config),
+    )
+    return cls(tables=tables, slots=slots, config=config)
+
+  def preprocess(  # pytype: disable=signature-mismatch
+    self, token_ids: Any, *, allow_id_dropping: bool = False
+  ) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
+    """Host-preprocesses a batch of token ids into the call's buffers.
+
+    For large batches with FDO limits (`max_ids_per_partition`): pass the
+    result as the side input named `host_input` with the same ids, e.g.
+    `model(tokens, sparsecore_inputs=lookup.preprocess(tokens)[0])`.
+
+    Args:
+      token_ids: Integer ids of any shape (a `NamedArray` or an array).
+      allow_id_dropping: Drop ids over the limits instead of raising.
+
+    Returns:
+      `(inputs, stats)`, as `SparseCoreEmbed.preprocess`.
+    """
+    config = self.config
+    if isinstance(token_ids, pz.nx.NamedArray | pz.nx.NamedArrayView):
+      token_ids = token_ids.unwrap(*token_ids.named_shape)
+    ids = np.asarray(token_ids).reshape(-1)
+    _check_ids(config, ids)
+    samples = config.padded_samples(ids.size)
+    splits = np.concatenate(
+      [np.arange(ids.size + 1), np.full(samples - ids.size, ids.size)]
+    ).astype(np.int64)
+    host = dataclasses.replace(self, config=_host_config(config, samples))
+    return embed_lib.SparseCoreEmbed.preprocess(
+      host,
+      (ids.astype(np.int32), splits),
+      allow_id_dropping=allow_id_dropping,
+    )
+
+  def __call__(self, token_index: Any, /, **side_inputs: Any) -> Any:
+    """Embeddings of `token_index`: its named axes plus the embedding axes.
+
+    Args:
+      token_index: A `NamedArray` of integer ids (named axes only, disjoint
+        from the embedding axes).
+      **side_inputs: Penzai side inputs; the one named `host_input`, if
+        given a `PreprocessedInput` from `preprocess`, is used instead of
+        building the buffers on the device.
+
+    Returns:
+      A float32 `NamedArray` with the ids' axes and the embedding axes.
+
+    Raises:
+      ValueError: On non-integer or out-of-range (concrete) ids, positional
+        axes, or host buffers of another shape.
+    """
+    config = self.config
+    names, ids = _unwrap_ids(config, token_index)
+    flat = ids.reshape(-1)
+    _check_ids(config, flat)
+    samples = config.padded_samples(flat.size)
+    plan = config.plan_for(flat.size)
+    host = side_inputs.get(config.host_input)
+    if isinstance(host, PreprocessedInput):
+      inputs = host
+      embed_lib.check_inputs(_host_config(config, samples), inputs)
+    else:
+      padded = jnp.full((samples,), build.NO_ID, jnp.int32)
+      padded = padded.at[: flat.size].set(flat.astype(jnp.int32))
+      inputs, _ = build.build_inputs(
+        plan, config.topology, {config.feature: padded}
+      )
+    acts = routing.lookup(plan, config.topology, table_arrays(self), inputs)
+    if self.activation_probe is not None:
+      acts = self.activation_probe.observe(acts, inputs)
+    value = acts[config.feature][: flat.size, : config.dim]
+    sizes = [size for _, size in config.embedding_axes]
+    value = value.reshape(*ids.shape, *sizes)
+    return pz.nx.wrap(value).tag(*names, *(n for n, _ in config.embedding_axes))
+
+  def call_plan(self, samples: int) -> plan_lib.Plan:
+    """The plan of a call whose activations have `samples` (padded) rows."""
+    return self.config.plan_for(samples)
+
+
+def _host_config(config: LookupConfig, samples: int) -> embed_lib.EmbedConfig:
+  """A plain `EmbedConfig` with the plan of `samples` samples."""
+  return embed_lib.EmbedConfig(
+    name=config.name,
+    plan=config.plan_for(samples),
+    topology=config.topology,
+    feature_axes=config.feature_axes,
+    embedding_axis=config.embedding_axis,
+    axis_mapping=config.axis_mapping,
+  )
+
+
+def _unwrap_ids(config: LookupConfig, token_index: Any):
+  if not isinstance(token_index, pz.nx.NamedArray | pz.nx.NamedArrayView):
+    raise ValueError(
+      f"SparseCoreLookup {config.label!r} takes a NamedArray of token ids "
+      f"(as pz.nn.EmbeddingLookup), got {type(token_index).__name__}"
+    )
+  if token_index.positional_shape:
+    raise ValueError(
+      f"SparseCoreLookup {config.label!r}: token ids with positional shape "
+      f"{token_index.positional_shape}; tag every axis with a name"
+    )
+  names = tuple(token_index.named_shape)
+  clash = set(names) & {n for n, _ in config.embedding_axes}
+  if clash:
+    raise ValueError(
+      f"SparseCoreLookup {config.label!r}: token ids have axes "
+      f"{sorted(clash)} that are also embedding axes"
+    )
+  ids = token_index.unwrap(*names)
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ValueError(
+      f"SparseCoreLookup {config.label!r}: token ids must be integers, got "
+      f"dtype {ids.dtype}"
+    )
+  return names, ids
