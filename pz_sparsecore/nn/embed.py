@@ -48,7 +48,7 @@ from pz_sparsecore.host.preprocess import (
   preprocess_for_plan,
 )
 from pz_sparsecore.nn import axis_mapping as axis_mapping_lib
-from pz_sparsecore.nn.probe import ActivationProbe
+from pz_sparsecore.nn.probe import ActivationProbe, zero_probes
 from pz_sparsecore.nn.tables import (
   ROW_AXIS,
   SHARD_AXIS,
@@ -521,6 +521,16 @@ class SparseCoreEmbed(pz.nn.Layer):
       step,
     )
     assign_arrays(self, tables, slots)
+
+  def fixed_probes(self) -> dict[str, jax.Array] | None:
+    """Zero probes shaped like the activations, or None if the shapes are
+    the call's (see `nn.probe`)."""
+    return zero_probes(self.config.plan)
+
+  def plan_of(self, activations: Mapping[str, Any]) -> plan_lib.Plan:
+    """The plan of the call that gave these (flat) activations."""
+    del activations
+    return self.config.plan
 
   def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
     from pz_sparsecore.viz import treescope as _treescope

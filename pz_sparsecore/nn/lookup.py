@@ -565,9 +565,13 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
     value = value.reshape(*ids.shape, *sizes)
     return pz.nx.wrap(value).tag(*names, *(n for n, _ in config.embedding_axes))
 
-  def call_plan(self, samples: int) -> plan_lib.Plan:
-    """The plan of a call whose activations have `samples` (padded) rows."""
-    return self.config.plan_for(samples)
+  def fixed_probes(self) -> None:
+    """None: the activations' shape is the call's."""
+    return None
+
+  def plan_of(self, activations: Mapping[str, Any]) -> plan_lib.Plan:
+    """The plan of the call that gave these (flat, padded) activations."""
+    return self.config.plan_for(activations[self.config.feature].shape[0])
 
 
 def _host_config(config: LookupConfig, samples: int) -> embed_lib.EmbedConfig:

@@ -45,7 +45,7 @@ class ActivationProbe(pz.Struct):
       layer was called with.
   """
 
-  probes: dict[str, jax.Array]
+  probes: dict[str, jax.Array] | None
   record: pz.StateVariable
 
   @classmethod
@@ -53,7 +53,8 @@ class ActivationProbe(pz.Struct):
     """A probe with an empty record.
 
     Args:
-      probes: The arrays to add (from `zero_probes`, as differentiated).
+      probes: The arrays to add (from `zero_probes`, as differentiated),
+        or None to record the call only.
       label: Label of the record variable.
 
     Returns:
@@ -71,8 +72,13 @@ class ActivationProbe(pz.Struct):
       inputs: The `PreprocessedInput` they were looked up from.
 
     Returns:
-      The activations with the probes added.
+      The activations with the probes added (unchanged, recording
+      `(inputs, activations)`, for a probe of None, which only learns the
+      call's shapes).
     """
+    if self.probes is None:
+      self.record.value = (*self.record.value, (inputs, activations))
+      return activations
     self.record.value = (*self.record.value, inputs)
     return {
       name: value + self.probes[name] for name, value in activations.items()

@@ -71,7 +71,7 @@ from pz_sparsecore.nn.embed import (
   fits,
   variable_labels,
 )
-from pz_sparsecore.nn.probe import ActivationProbe, zero_probes
+from pz_sparsecore.nn.probe import ActivationProbe
 from pz_sparsecore.nn.tables import slot_arrays, table_arrays
 
 
@@ -140,6 +140,56 @@ def _recorded_input(embed: SparseCoreEmbed, probe: ActivationProbe) -> Any:
   return recorded[0] if recorded else None
 
 
+def with_probes(
+  model: Any, probes: tuple[dict[str, jax.Array] | None, ...]
+) -> tuple[Any, list[ActivationProbe]]:
+  """`model` with a probe attached to each of its layers (tree order).
+
+  A probe of None only records (`ActivationProbe.observe` then adds
+  nothing), which is how `probe_templates` learns the call shapes.
+  """
+  attached = [
+    ActivationProbe.attach(p, f"{e.config.name}/activation_probe")
+    for e, p in zip(find_embeds(model), probes, strict=True)
+  ]
+  order = iter(attached)
+  model = (
+    pz.select(model)
+    .at_instances_of(SparseCoreEmbed)
+    .apply(lambda e: dataclasses.replace(e, activation_probe=next(order)))
+  )
+  return model, attached
+
+
+def probe_templates(
+  embeds: list[SparseCoreEmbed], run: Callable[[tuple[Any, ...]], Any]
+) -> tuple[dict[str, jax.Array], ...]:
+  """One zero probe per feature of each layer, shaped like its activations.
+
+  A layer with fixed shapes (`SparseCoreEmbed`) takes them from its plan;
+  when some layer's shapes depend on the call (`SparseCoreLookup`), `run`
+  (the loss evaluated with the given probes attached, returning the
+  attached probes) is traced once, abstractly, with recording probes.
+  """
+  fixed = [e.fixed_probes() for e in embeds]
+  if all(p is not None for p in fixed):
+    return tuple(fixed)
+
+  def shapes():
+    attached = run((None,) * len(embeds))
+    return tuple(
+      a.record.value[0][1] if a.record.value else {} for a in attached
+    )
+
+  traced = jax.eval_shape(shapes)
+  return tuple(
+    p
+    if p is not None
+    else {k: jnp.zeros(v.shape, v.dtype) for k, v in t.items()}
+    for p, t in zip(fixed, traced, strict=True)
+  )
+
+
 def _loss_and_grads(
   stateless_model: Any,
   variables: _Variables,
@@ -151,7 +201,7 @@ def _loss_and_grads(
   """The loss and its gradients wrt the dense parameters and the probes."""
   embeds = find_embeds(stateless_model)
 
-  def compute(dense_params, probes):
+  def run(dense_params, probes):
     state_vars = tuple(v.unfreeze_as_copy() for v in variables.state)
     model = pz.bind_variables(
       stateless_model,
@@ -161,19 +211,14 @@ def _loss_and_grads(
       + variables.tables
       + variables.slots,
     )
-    attached = [
-      ActivationProbe.attach(p, f"{e.config.name}/activation_probe")
-      for e, p in zip(embeds, probes, strict=True)
-    ]
-    order = iter(attached)
-    model = (
-      pz.select(model)
-      .at_instances_of(SparseCoreEmbed)
-      .apply(lambda e: dataclasses.replace(e, activation_probe=next(order)))
-    )
+    model, attached = with_probes(model, probes)
     loss, loss_fn_state, aux = options.loss_fn(
       model=model, state=state.loss_fn_state, rng=rng, **kwargs
     )
+    return loss, loss_fn_state, aux, state_vars, attached
+
+  def compute(dense_params, probes):
+    loss, loss_fn_state, aux, state_vars, attached = run(dense_params, probes)
     inputs = tuple(
       _recorded_input(e, p) for e, p in zip(embeds, attached, strict=True)
     )
@@ -188,7 +233,9 @@ def _loss_and_grads(
       aux=aux,
     )
 
-  probes = tuple(zero_probes(e.config.plan) for e in embeds)
+  probes = probe_templates(
+    embeds, lambda probes: run(variables.dense, probes)[-1]
+  )
   grad_fn = jax.grad(compute, argnums=(0, 1), has_aux=True)
   (g_dense, g_probes), out = grad_fn(variables.dense, probes)
   return out._replace(dense=g_dense, probes=g_probes)
@@ -232,7 +279,7 @@ def _updates(
   for embed, inputs, act_grads in active:
     config = embed.config
     tables, slots, *guarded = routing.apply_gradients(
-      config.plan,
+      embed.plan_of(act_grads),
       config.topology,
       table_arrays(embed),
       slot_arrays(embed),
@@ -261,11 +308,13 @@ def _finite_flags(
     return finite
   for embed, probe_grads in zip(embeds, grads.probes, strict=True):
     for stack in embed.config.plan.stacks:
-      finite[embed.config.table_label(stack.name)] = jnp.all(
-        jnp.stack(
-          [jnp.all(jnp.isfinite(probe_grads[f.name])) for f in stack.features]
-        )
-      )
+      flags = [
+        jnp.all(jnp.isfinite(probe_grads[f.name]))
+        for f in stack.features
+        if f.name in probe_grads
+      ]
+      if flags:
+        finite[embed.config.table_label(stack.name)] = jnp.all(jnp.stack(flags))
   for var, grad in zip(dense_params, grads.dense, strict=True):
     leaves = jax.tree.leaves(grad)
     finite[var.label] = jnp.all(
@@ -291,7 +340,7 @@ def _undone_unless_finite(
       finite[f"{embed.config.table_label(stack)} (updated rows)"] = ok
   ok = jnp.all(jnp.stack(list(finite.values())))
   out = dict(new)
-  for (embed, _, _), guard in zip(active, guards, strict=True):
+  for (embed, _, act_grads), guard in zip(active, guards, strict=True):
     config = embed.config
     tables = {
       s.name: new[config.table_label(s.name)] for s in config.plan.stacks
@@ -303,7 +352,7 @@ def _undone_unless_finite(
       for s in config.plan.stacks
     }
     tables, slots = guard_lib.undo_unless(
-      config.plan, config.topology, tables, slots, guard, ok
+      embed.plan_of(act_grads), config.topology, tables, slots, guard, ok
     )
     out.update(_labelled(embed, tables, slots))
   return ok, out
