@@ -332,10 +332,16 @@ def _lookup_jvp(static, primals, tangents):
   for tangent in jax.tree.leaves(tangents[0]):
     if not isinstance(tangent, jax.custom_derivatives.SymbolicZero):
       raise TableGradientError(
-        "SparseCoreEmbed tables never take a dense gradient: differentiate "
-        "with respect to the activations and apply the fused update "
-        "(SparseCoreTrainer, or SparseCoreEmbed.apply_gradients); do not "
-        "pass table parameters to jax.grad or an optax optimizer"
+        "SparseCoreEmbed and SparseCoreLookup tables never take a dense "
+        "gradient: differentiate with respect to the activations and apply "
+        "the fused update. Train with pzsc.SparseCoreTrainer.build(root_rng,"
+        " model, optimizer_def, loss_fn) (Penzai's StatefulTrainer.build "
+        "arguments), or in a hand-written step split the model with "
+        "`rest, dense = pzsc.split_tables(model)` and take "
+        "`pzsc.value_and_grad(loss_fn, step=step)(rest, dense, ...)`, which "
+        "differentiates the dense parameters and updates the tables in "
+        "place; do not pass table parameters to jax.grad or an optax "
+        "optimizer"
       )
   out = _lookup_impl(static, tables, inputs)
   return out, jax.tree.map(jnp.zeros_like, out)

@@ -47,6 +47,9 @@ from typing import Any
 import jax
 from penzai import pz
 
+from pz_sparsecore.nn.placement import place_tables
+from pz_sparsecore.nn.ties import check_untied
+
 _READ = "__pzsc_read_variables"
 _WRITTEN = "__pzsc_written_variables"
 _WRITES = "__pzsc_writes"
@@ -180,9 +183,17 @@ class _VariableJitted:
     Returns:
       The variables of the arguments, the written set and `method`'s output.
     """
-    (args_slots, kwargs_slots), variables = pz.unbind_variables((args, kwargs))
+    try:
+      (args_slots, kwargs_slots), variables = pz.unbind_variables(
+        (args, kwargs)
+      )
+    except ValueError:
+      check_untied((args, kwargs))  # A clearer error for a tied table.
+      raise
     frozen = [var.freeze() for var in variables]
     key = _guess_key(args_slots, kwargs_slots, frozen)
+    if key not in self._guesses and place_tables((args, kwargs)):
+      frozen = [var.freeze() for var in variables]
     writes = self._guesses.get(key, ())
     for _ in range(2):
       extras = {

@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -64,6 +65,7 @@ from pz_sparsecore.host.preprocess import (
 )
 from pz_sparsecore.nn import axis_mapping as axis_mapping_lib
 from pz_sparsecore.nn import embed as embed_lib
+from pz_sparsecore.nn.placement import place_tables
 from pz_sparsecore.nn.tables import table_arrays
 
 __all__ = ["TABLE_AXIS", "LookupConfig", "SparseCoreLookup"]
@@ -394,7 +396,8 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
         (`preprocess`).
       max_ids_per_partition: Window of ids one SparseCore sends one shard;
         None sizes it for the worst case of each call's shape. Smaller
-        limits shrink the exchange; a call over them raises.
+        limits shrink the exchange; ids over them are looked up as zeros,
+        with a `ValueError` in an eager call and a warning under `jit`.
 
     Returns:
       The layer.
@@ -542,6 +545,7 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
         axes, or host buffers of another shape.
     """
     config = self.config
+    place_tables(self)
     names, ids = _unwrap_ids(config, token_index)
     flat = ids.reshape(-1)
     _check_ids(config, flat)
@@ -554,9 +558,11 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
     else:
       padded = jnp.full((samples,), build.NO_ID, jnp.int32)
       padded = padded.at[: flat.size].set(flat.astype(jnp.int32))
-      inputs, _ = build.build_inputs(
+      inputs, dropped = build.build_inputs(
         plan, config.topology, {config.feature: padded}
       )
+      if config.max_ids_per_partition is not None:
+        _report_dropped(config, dropped[plan.stacks[0].name])
     acts = routing.lookup(plan, config.topology, table_arrays(self), inputs)
     if self.activation_probe is not None:
       acts = self.activation_probe.observe(acts, inputs)
@@ -572,6 +578,25 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
   def plan_of(self, activations: Mapping[str, Any]) -> plan_lib.Plan:
     """The plan of the call that gave these (flat, padded) activations."""
     return self.config.plan_for(activations[self.config.feature].shape[0])
+
+
+def _report_dropped(config: LookupConfig, dropped: jax.Array) -> None:
+  """Refuses (eagerly) or warns (under jit) when ids were over the limit."""
+  message = (
+    "SparseCoreLookup {label!r}: {n} ids over max_ids_per_partition={limit}"
+    " were dropped (looked up as zeros); raise the limit or leave it None"
+  )
+  fmt = {"label": config.label, "limit": config.max_ids_per_partition}
+  if not isinstance(dropped, jax.core.Tracer):
+    if int(dropped):
+      raise ValueError(message.format(n=int(dropped), **fmt))
+    return
+
+  def warn(n):
+    if int(n):
+      warnings.warn(message.format(n=int(n), **fmt), stacklevel=1)
+
+  jax.debug.callback(warn, dropped)
 
 
 def _host_config(config: LookupConfig, samples: int) -> embed_lib.EmbedConfig:

@@ -71,8 +71,10 @@ from pz_sparsecore.nn.embed import (
   fits,
   variable_labels,
 )
+from pz_sparsecore.nn.placement import place_tables
 from pz_sparsecore.nn.probe import ActivationProbe
 from pz_sparsecore.nn.tables import slot_arrays, table_arrays
+from pz_sparsecore.nn.ties import check_untied
 
 
 class NonFiniteUpdateError(FloatingPointError):
@@ -129,7 +131,7 @@ class _Gradients(NamedTuple):
   aux: Any
 
 
-def _recorded_input(embed: SparseCoreEmbed, probe: ActivationProbe) -> Any:
+def recorded_input(embed: SparseCoreEmbed, probe: ActivationProbe) -> Any:
   """The one input the layer was called with, or None."""
   recorded = probe.record.value
   if len(recorded) > 1:
@@ -220,7 +222,7 @@ def _loss_and_grads(
   def compute(dense_params, probes):
     loss, loss_fn_state, aux, state_vars, attached = run(dense_params, probes)
     inputs = tuple(
-      _recorded_input(e, p) for e, p in zip(embeds, attached, strict=True)
+      recorded_input(e, p) for e, p in zip(embeds, attached, strict=True)
     )
     # The gradients are filled in below.
     return loss, _Gradients(
@@ -445,6 +447,10 @@ class _Grouping:
     self._result = None
     self.inputs_checked = False
 
+  def needs_placing(self, model: Any) -> bool:
+    """Whether `model` is new here (its tables' placement unchecked)."""
+    return model is not self._model
+
   def of(self, model: Any) -> tuple[Any, dict[str, list[Any]]]:
     if model is not self._model:
       self._result = _group_variables(model)
@@ -565,6 +571,7 @@ class SparseCoreTrainer(pz.Struct):
         f'validate_inputs must be "first", True or False, got '
         f"{validate_inputs!r}"
       )
+    check_untied(model)
     _, params = pz.unbind_params(model)
     table_labels, _ = variable_labels(model)
     dense = [
@@ -621,6 +628,8 @@ class SparseCoreTrainer(pz.Struct):
     ):
       _validate_inputs(self.model, kwargs)
       grouping.inputs_checked = True
+    if grouping.needs_placing(self.model):
+      place_tables(self.model)
     stateless_model, groups = grouping.of(self.model)
     frozen = {k: pz.freeze_variables(tuple(v)) for k, v in groups.items()}
     # Positional, in `_trainer_step`'s order: keyword arguments would be
