@@ -117,7 +117,12 @@ _RENAMED = {"build_plan": "build", "predict_exchange_bytes": "predict_bytes"}
 __all__ = sorted(_EXPORTS)
 
 
+_SUBMODULES = ("viz",)
+
+
 def __getattr__(name: str):
+  if name in _SUBMODULES:
+    return importlib.import_module(f"pz_sparsecore.{name}")
   module = _EXPORTS.get(name)
   if module is None:
     raise AttributeError(f"module 'pz_sparsecore' has no attribute {name!r}")

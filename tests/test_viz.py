@@ -7,12 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import treescope
+from penzai import pz
 from treescope import layout_algorithms, lowering, rendering_parts
 
 from pz_sparsecore.core import layout, specs
 from pz_sparsecore.host.preprocess import PAD_ID, SparseDenseMatmulInputStats
 from pz_sparsecore.nn import SparseCoreEmbed
+from pz_sparsecore.nn.lookup import SparseCoreLookup
 from pz_sparsecore.viz import figures as viz
+from pz_sparsecore.viz import vocabulary, vocabulary_view
 
 NUM_DEVICES = 4
 BATCH = 16
@@ -371,3 +374,154 @@ def test_figures_accept_a_plan(embed):
   )
   with pytest.raises(ValueError, match="the plan has 4 shards"):
     viz.shard_table_index(plan, 8, "tb_ta")
+
+
+# ---------------------------------------------------------------------------
+# A SparseCoreLookup in Penzai's vocabulary.
+
+LOOKUP_VOCAB = 50
+LOOKUP_SUMMARY = (
+  "SparseCoreLookup('emb.embeddings': vocabulary:50 x embedding:8 over 4 "
+  "shards, sgd(lr=0.1))"
+)
+
+
+def _dense(embedding_axes):
+  table = pz.nn.EmbeddingTable.from_config(
+    "emb", jax.random.key(1), LOOKUP_VOCAB, embedding_axes
+  )
+  return pz.nn.EmbeddingLookup(table)
+
+
+def _converted(dense, sc=1):
+  return SparseCoreLookup.from_lookup(
+    dense,
+    mesh=_mesh(),
+    optimizer=specs.SGDOptimizerSpec(learning_rate=0.1),
+    num_sc_per_device=sc,
+  )
+
+
+def _dense_rows(dense, ids=None):
+  """The dense table's `[V, *embedding]` values (rows `ids`), in numpy."""
+  value = dense.table.embeddings.value
+  names = [n for n in value.named_shape if n != "vocabulary"]
+  rows = np.asarray(value.unwrap("vocabulary", *names))
+  return rows if ids is None else rows[np.asarray(ids)]
+
+
+@pytest.fixture(scope="module")
+def dense_lookup():
+  return _dense({"embedding": 8})
+
+
+@pytest.fixture(scope="module")
+def lookup(dense_lookup):
+  return _converted(dense_lookup)
+
+
+@pytest.mark.parametrize(
+  "embedding_axes,sc",
+  [({"embedding": 8}, 1), ({"heads": 2, "embedding": 3}, 2)],
+)
+def test_vocabulary_view_is_the_embedding_lookup_table(embedding_axes, sc):
+  dense = _dense(embedding_axes)
+  lk = _converted(dense, sc)
+  view = vocabulary_view(lk)
+  expected = dense.table.embeddings.value
+  assert dict(view.named_shape) == dict(expected.named_shape)
+  assert not view.positional_shape
+  names = list(expected.named_shape)
+  np.testing.assert_array_equal(
+    np.asarray(view.unwrap(*names)), np.asarray(expected.unwrap(*names))
+  )
+
+
+@pytest.mark.parametrize("sc", [1, 2])
+def test_vocabulary_view_rows(sc, dense_lookup):
+  lk = _converted(dense_lookup, sc)
+  n = lk.config.topology.num_shards
+  rng = np.random.default_rng(7)
+  boundaries = [0, n - 1, n, LOOKUP_VOCAB - 1]
+  ids = np.concatenate([boundaries, rng.integers(0, LOOKUP_VOCAB, 9)])
+  view = vocabulary_view(lk, ids)
+  assert dict(view.named_shape) == {"vocabulary": ids.size, "embedding": 8}
+  got = np.asarray(view.unwrap("vocabulary", "embedding"))
+  np.testing.assert_array_equal(got, _dense_rows(dense_lookup, ids))
+  # Token ids as a jax array, and slices (steps and negative bounds).
+  got = vocabulary_view(lk, jnp.asarray(ids))
+  np.testing.assert_array_equal(
+    np.asarray(got.unwrap("vocabulary", "embedding")),
+    _dense_rows(dense_lookup, ids),
+  )
+  for rows in (slice(3, 20, 2), slice(-n - 1, None), slice(None, None, -7)):
+    got = vocabulary_view(lk, rows).unwrap("vocabulary", "embedding")
+    np.testing.assert_array_equal(
+      np.asarray(got), _dense_rows(dense_lookup)[rows]
+    )
+  empty = vocabulary_view(lk, np.zeros(0, np.int32))
+  assert dict(empty.named_shape) == {"vocabulary": 0, "embedding": 8}
+
+
+def test_vocabulary_view_gathers_only_the_rows(lookup):
+  from pz_sparsecore.nn.tables import positional_table
+
+  config = lookup.config
+  table = positional_table(config, lookup.tables[config.feature].value)
+  ids = jnp.arange(5, dtype=jnp.int32)
+  hlo = vocabulary._gather.lower(table, ids, config).compile().as_text()
+  # Each device gathers the rows it holds; the table is never all-gathered.
+  assert "all-gather" not in hlo
+  assert "gather(" in hlo
+
+
+def test_vocabulary_view_errors(lookup, embed):
+  label = "'emb.embeddings'"
+  for bad, text in (
+    (-1, "-1 at position 1"),
+    (LOOKUP_VOCAB, "50 at position 1"),
+  ):
+    with pytest.raises(ValueError, match=f"{label}: token id {text} .*50"):
+      vocabulary_view(lookup, [3, bad, 4])
+  for rows in (3, [[1, 2]], [0.5]):
+    with pytest.raises(ValueError, match=f"{label}: rows must be"):
+      vocabulary_view(lookup, rows)
+  with pytest.raises(ValueError, match="takes a SparseCoreLookup"):
+    vocabulary_view(embed)
+
+
+def test_lookup_treescope_summary_and_view_line(lookup):
+  assert _text(lookup, 0) == LOOKUP_SUMMARY
+  assert repr(lookup) == LOOKUP_SUMMARY
+  assert viz.describe(lookup).splitlines()[0] == LOOKUP_SUMMARY
+  lines = _text(lookup, 1).splitlines()
+  assert lines[0] == f"SparseCoreLookup(  # {LOOKUP_SUMMARY[17:-1]}"
+  # The pointer to the vocabulary view sits just above the physical table.
+  at = lines.index("  # vocabulary order: pzsc.viz.vocabulary_view(lookup)")
+  assert lines[at + 1].startswith("  tables={'emb': Parameter(")
+  nested = treescope.render_to_text(pz.nn.Sequential([lookup]))
+  assert "# vocabulary order: pzsc.viz.vocabulary_view(model.sublayers[0])" in (
+    nested
+  )
+
+
+@pytest.mark.parametrize("which", ["embed", "lookup"])
+def test_comments_only_outside_roundtrip_mode(which, request):
+  obj = request.getfixturevalue(which)
+  module = type(obj).__module__
+  plain = treescope.render_to_text(obj).splitlines()
+  assert plain[0].startswith(f"{type(obj).__name__}(  # ")
+  comments = [line for line in plain if line.lstrip().startswith("#")]
+  assert len(comments) >= 4
+  assert plain[len(comments) + 1].startswith("  tables={")
+  roundtrip = treescope.render_to_text(obj, roundtrip_mode=True).splitlines()
+  # A constructor call: no comment, no blank line, the fields in order.
+  assert roundtrip[:2] == [f"{module}.{type(obj).__name__}(", "  tables={"]
+  assert not [line for line in roundtrip if "#" in line or not line.strip()]
+  fields = [
+    line.split("=")[0].strip()
+    for line in roundtrip
+    if "=" in line and not line.startswith("   ")
+  ]
+  assert fields == ["tables", "slots", "config"]
+  assert roundtrip[-1] == ")"

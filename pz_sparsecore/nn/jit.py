@@ -187,7 +187,7 @@ class _VariableJitted:
       (args_slots, kwargs_slots), variables = pz.unbind_variables(
         (args, kwargs)
       )
-    except ValueError:
+    except Exception:  # Penzai's VariableConflictError, among others.
       check_untied((args, kwargs))  # A clearer error for a tied table.
       raise
     frozen = [var.freeze() for var in variables]

@@ -34,9 +34,10 @@ def tie_message(label: str, path: str) -> str:
     " lookup), or untie it explicitly, giving the decode its own copy "
     "before converting, e.g. "
     "pz.select(model).at_instances_of(pz.nn.EmbeddingDecode).apply("
-    "lambda d: pz.nn.EmbeddingDecode(pz.nn.EmbeddingTable("
-    "pz.Parameter(d.table.embeddings.value, d.table.embeddings.label + "
-    "'.decode'), d.table.vocabulary_axis)))"
+    "lambda d: pz.nn.EmbeddingDecode(pz.nn.EmbeddingTable(embeddings="
+    "pz.Parameter(value=d.table.embeddings.value, "
+    "label=d.table.embeddings.label + '.decode'), "
+    "vocabulary_axis=d.table.vocabulary_axis)))"
   )
 
 

@@ -2,7 +2,9 @@
 
 `figures` draws which rows of which logical table live on which device and
 SparseCore, tables in vocabulary order, and the per-partition id counts
-against the limits; `treescope` renders the package's objects (specs,
+against the limits; `vocabulary` shows a `SparseCoreLookup`'s table in
+vocabulary order, as Penzai's `EmbeddingTable` holds it
+(`vocabulary_view`); `treescope` renders the package's objects (specs,
 plans, buffers, stats, layers) as compact Treescope summaries. The stages
 below import `treescope` lazily, from their `__treescope_repr__` hooks only.
 """
@@ -23,6 +25,7 @@ from pz_sparsecore.viz.figures import (
   table_values_figure,
   to_html,
 )
+from pz_sparsecore.viz.vocabulary import vocabulary_view
 
 __all__ = [
   "MAX_COLUMNS",
@@ -37,4 +40,5 @@ __all__ = [
   "stats_heatmap",
   "table_values_figure",
   "to_html",
+  "vocabulary_view",
 ]

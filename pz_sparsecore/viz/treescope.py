@@ -5,7 +5,18 @@ summary becomes a comment on the first line, a few comment lines give the
 derived facts (per stack: member tables, limits, buffer fill) and the real
 attributes follow, rendered by Treescope as usual, so arrays keep their array
 view and every copy path stays a valid attribute path. In roundtrip mode the
-comments disappear and the node reads like an ordinary constructor call.
+comments disappear (they are `roundtrip_condition(not_roundtrip=...)` parts,
+leading the first attribute's line so that no blank line is left) and the
+node reads as a constructor call with its fields: plain for specs and
+layers (`roundtrippable=True`: the fields are the constructor's arguments),
+inside Treescope's `<...>` for plans, buffers and stats (not claimed to
+evaluate back).
+
+A `SparseCoreLookup` (one table, Penzai's `EmbeddingLookup`) has its own
+summary (`lookup_summary`: label, vocabulary and embedding axes, shards,
+optimizer) and one more comment, just above its physical `[N, V_shard, D]`
+table, naming the call that shows the table in vocabulary order
+(`viz.vocabulary_view`).
 
 The `__treescope_repr__` methods of `SparseCoreEmbed`, `PreprocessedInput`,
 `SparseDenseMatmulInputStats` and the spec classes import this module lazily
@@ -85,12 +96,47 @@ def plan_summary(plan: Plan) -> str:
   )
 
 
+def _is_lookup(embed: Any) -> bool:
+  """Whether `embed` is a `SparseCoreLookup` (one table in vocabulary
+  order, Penzai's `EmbeddingLookup`), imported on use like the layer."""
+  from pz_sparsecore.nn.lookup import LookupConfig
+
+  return isinstance(embed.config, LookupConfig)
+
+
+def lookup_summary(lookup: Any) -> str:
+  """One line: label, vocabulary and embedding axes, shards, optimizer.
+
+  For example `'emb.embeddings': vocabulary:1000 x embedding:16 over 8
+  shards, sgd(lr=0.1)`, in the terms of Penzai's `EmbeddingTable`.
+  """
+  config = lookup.config
+  axes = ((config.vocabulary_axis, config.vocab_size), *config.embedding_axes)
+  shape = " x ".join(f"{name}:{size}" for name, size in axes)
+  optimizer = config.plan.stacks[0].spec.optimizer
+  return (
+    f"{config.label!r}: {shape} over {config.topology.num_shards} shards, "
+    f"{optimizer_summary(optimizer)}"
+  )
+
+
 def embed_summary(embed: Any) -> str:
-  """One line: name, then the plan's summary on the sharding axis."""
+  """One line: name, then the plan's summary on the sharding axis (for a
+  `SparseCoreLookup`, `lookup_summary`)."""
+  if _is_lookup(embed):
+    return lookup_summary(embed)
   config = embed.config
   return (
     f"{config.name!r}: {plan_summary(config.plan)} on {config.topology.axis!r}"
   )
+
+
+def vocabulary_view_line(path: str | None) -> str:
+  """The comment pointing from a lookup's physical table to its view in
+  vocabulary order; `path` is Treescope's path of the lookup (the root,
+  `""`, reads `lookup`; a nested one `model.path`)."""
+  where = f"model{path}" if path else "lookup"
+  return f"vocabulary order: pzsc.viz.vocabulary_view({where})"
 
 
 def stack_details(plan: Plan, stack: StackPlan) -> list[str]:
@@ -314,6 +360,30 @@ def _comment(text: str) -> rendering_parts.RenderableTreePart:
   return rendering_parts.comment_color(rendering_parts.text(text))
 
 
+def _detail_comments(
+  details: Sequence[str | rendering_parts.RenderableTreePart],
+) -> rendering_parts.RenderableTreePart:
+  """The detail lines, shown only outside roundtrip mode.
+
+  They lead the first attribute's line rather than being children of their
+  own: Treescope starts a new line for every child, so a child that renders
+  empty in roundtrip mode would leave a blank line. The first detail takes
+  the line the node opens for its first child; the others follow on lines of
+  their own (`on_separate_lines` ends with a line break, where the first
+  attribute then starts).
+  """
+  if not details:
+    return rendering_parts.empty_part()
+  parts = [
+    _comment(f"# {line}") if isinstance(line, str) else line for line in details
+  ]
+  return rendering_parts.roundtrip_condition(
+    not_roundtrip=rendering_parts.siblings(
+      parts[0], rendering_parts.on_separate_lines(parts[1:])
+    )
+  )
+
+
 def _attribute_line(
   name: str,
   value: Any,
@@ -363,18 +433,18 @@ def summarized_node(
     The rendering.
   """
   children = []
-  for line in details:
-    part = _comment(f"# {line}") if isinstance(line, str) else line
-    children.append(rendering_parts.fold_condition(expanded=part))
+  comments = _detail_comments(details)
   for i, (name, value) in enumerate(attributes.items()):
     last = i == len(attributes) - 1
     line = _attribute_line(name, value, path, subtree_renderer, last)
     children.append(
       rendering_parts.fold_condition(
-        expanded=line,
+        expanded=rendering_parts.siblings(comments, line) if i == 0 else line,
         collapsed=rendering_parts.roundtrip_condition(roundtrip=line),
       )
     )
+  if not attributes:
+    children.append(rendering_parts.fold_condition(expanded=comments))
   opening, closing = ("", "") if roundtrippable else ("<", ">")
   prefix = rendering_parts.siblings(
     rendering_parts.roundtrip_condition(
@@ -417,18 +487,27 @@ def _fields(obj: Any, skip_none: Sequence[str] = ()) -> dict[str, Any]:
 def render_embed(
   embed: Any, path: str | None, subtree_renderer: Renderer
 ) -> rendering_parts.RenderableAndLineAnnotations:
-  """Renders a `SparseCoreEmbed` (works with unbound variable slots too)."""
+  """Renders a `SparseCoreEmbed` (works with unbound variable slots too).
+
+  A `SparseCoreLookup` has its own summary, and a last detail line, just
+  above its physical table, naming the call that shows the table in
+  vocabulary order (`vocabulary_view_line`).
+  """
   color = embed.treescope_color()
   if isinstance(color, tuple):
     color = color[1]
+  details = embed_details(embed)
+  if _is_lookup(embed):
+    details.append(vocabulary_view_line(path))
   return summarized_node(
     embed,
     embed_summary(embed),
-    embed_details(embed),
+    details,
     _fields(embed, skip_none=("activation_probe",)),
     path,
     subtree_renderer,
     color=color,
+    roundtrippable=True,
   )
 
 
