@@ -17,6 +17,7 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 
 def test_notebooks_found():
   assert [p.name for p in NOTEBOOKS] == [
+    "any_penzai_model.ipynb",
     "from_jax_tpu_embedding.ipynb",
     "shakespeare.ipynb",
     "sharding_and_visualising.ipynb",

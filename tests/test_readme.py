@@ -27,6 +27,7 @@ CONCEPTS = DOCS / "concepts.md"
 MULTIHOST = DOCS / "multihost.md"
 GPU = DOCS / "gpu.md"
 COMPAT = DOCS / "compat.md"
+ANY_MODEL = DOCS / "any_model.md"
 
 # Pages with Python blocks -> how many; each is run by a test below.
 RUN_HERE = {
@@ -36,6 +37,7 @@ RUN_HERE = {
   MULTIHOST: 2,
   GPU: 1,
   COMPAT: 1,
+  ANY_MODEL: 7,
 }
 
 
@@ -87,6 +89,40 @@ def test_getting_started_then_concepts_run_top_to_bottom():
   np.testing.assert_array_equal(
     pzsc.logical_tables(resumed.model.embed)["items"], saved
   )
+
+
+def test_any_model_page_runs_top_to_bottom(capsys):
+  """The conversion guide, in order in one namespace: the converted
+  transformer gives the dense logits, host buffers give the device path's,
+  the trainer and the hand-written step train alike, `complete_mapping`
+  keeps the table sharded, a tied model is refused, and an id out of range
+  raises eagerly and looks up zeros under jit."""
+  namespace: dict = {}
+  _run(ANY_MODEL, namespace)
+  out = capsys.readouterr().out
+  found = re.search(r"largest logit difference: (\S+)", out)
+  assert float(found.group(1)) < 1e-5, out
+  assert "host path against device path: 0.0" in out
+  pz = namespace["pz"]
+  trained = {
+    v.label: v.value for v in pz.unbind_variables(namespace["by_hand"])[1]
+  }
+  for var in pz.unbind_variables(namespace["trainer"].model)[1]:
+    axes = tuple(var.value.named_shape)
+    np.testing.assert_allclose(
+      np.asarray(trained[var.label].unwrap(*axes)),
+      np.asarray(var.value.unwrap(*axes)),
+      atol=1e-5,
+      err_msg=var.label,
+    )
+  table = namespace["table"].value.data_array
+  assert table.sharding.spec[0] == ("data", "model")
+  assert "pz.nn.EmbeddingDecode at .body.sublayers" in out
+  assert "outside [0, 1000)" in out
+  embedded = np.asarray(
+    namespace["embedded"].unwrap("batch", "seq", "embedding")
+  )
+  assert np.all(embedded[0, 1] == 0) and np.any(embedded[0, 0] != 0)
 
 
 def test_gpu_page_snippet_runs(capsys):

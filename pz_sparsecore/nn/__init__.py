@@ -5,14 +5,22 @@ from __future__ import annotations
 from pz_sparsecore.nn.checkpoint import restore_checkpoint, save_checkpoint
 from pz_sparsecore.nn.embed import EmbedConfig, SparseCoreEmbed, find_embeds
 from pz_sparsecore.nn.jit import variable_jit
+from pz_sparsecore.nn.lookup import LookupConfig, SparseCoreLookup
+from pz_sparsecore.nn.placement import (
+  TablePlacementWarning,
+  complete_mapping,
+  place_tables,
+)
 from pz_sparsecore.nn.probe import ActivationProbe
 from pz_sparsecore.nn.respec import update_limits, with_feature_specs
+from pz_sparsecore.nn.split import convert_lookups, split_tables, value_and_grad
 from pz_sparsecore.nn.tables import (
   logical_slots,
   logical_tables,
   set_logical_slots,
   set_logical_tables,
 )
+from pz_sparsecore.nn.ties import TiedTableError, check_untied
 from pz_sparsecore.nn.training import (
   NonFiniteUpdateError,
   SparseCoreTrainer,
@@ -22,8 +30,18 @@ from pz_sparsecore.nn.training import (
 __all__ = [
   "ActivationProbe",
   "EmbedConfig",
+  "LookupConfig",
   "NonFiniteUpdateError",
   "SparseCoreEmbed",
+  "SparseCoreLookup",
+  "TablePlacementWarning",
+  "TiedTableError",
+  "check_untied",
+  "complete_mapping",
+  "convert_lookups",
+  "place_tables",
+  "split_tables",
+  "value_and_grad",
   "SparseCoreTrainer",
   "SparseCoreTrainerState",
   "find_embeds",

@@ -439,9 +439,14 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
 
     Args:
       lookup: The lookup, its table parameter bound (a `pz.Parameter`).
-      mesh, optimizer, axis_name_to_mesh_name, num_sc_per_device,
-        sharding_axis, exchange, host_input, max_ids_per_partition: As
-        `from_config`.
+      mesh: As `from_config`.
+      optimizer: As `from_config`.
+      axis_name_to_mesh_name: As `from_config`.
+      num_sc_per_device: As `from_config`.
+      sharding_axis: As `from_config`.
+      exchange: As `from_config`.
+      host_input: As `from_config`.
+      max_ids_per_partition: As `from_config`.
 
     Returns:
       A `SparseCoreLookup` whose table holds the lookup's values, sharded.
@@ -548,7 +553,7 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
     place_tables(self)
     names, ids = _unwrap_ids(config, token_index)
     flat = ids.reshape(-1)
-    _check_ids(config, flat)
+    _check_ids(config, ids)
     samples = config.padded_samples(flat.size)
     plan = config.plan_for(flat.size)
     host = side_inputs.get(config.host_input)

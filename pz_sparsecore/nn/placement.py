@@ -19,8 +19,13 @@ table and slot on every device.
 Example, a `("data", "model")` mesh of 2 x 4 and the mapping
 `{"batch": "data", "neurons": "model"}`: `complete_mapping` returns
 `{"batch": "data", "neurons": "model", "sc_shard": ("data", "model"),
-"sc_row": None}`, and `name_to_name_device_put(model, mesh, that)` leaves
-each device one eighth of every table.
+"sc_row": None}`, and Penzai's placement of the model's variables with it
+leaves each device one eighth of every table::
+
+  mapping = pzsc.complete_mapping(model, {"batch": "data", "neurons": "model"})
+  stateless, values = pz.unbind_variables(model, freeze=True)
+  values = sharding_util.name_to_name_device_put(values, mesh, mapping)
+  model = pz.bind_variables(stateless, [v.unfreeze_as_copy() for v in values])
 """
 
 from __future__ import annotations
