@@ -71,6 +71,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/minibatching.py
 	$(PY) benchmarks/kernels.py
 	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/lookup.py
 	$(PY) benchmarks/exchange_bytes.py
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/jit_paths.py

@@ -27,6 +27,13 @@ the trace is dropped before anything runs or is donated and the call is made
 again with the set it found. A function that writes different variables for
 the same shapes (for example under a static flag) is traced once per set.
 
+Per-call cost: each argument is unbound on its own, and one that holds
+variables (a model) is remembered by identity (weakly), so calling again
+with the same model object does not walk it again; its variables' values
+are read afresh. The call then costs about what a raw `jax.jit` call on the
+unbound variables costs, which matters for a decoding loop calling the model
+once per token.
+
 Worked example, one `SparseCoreEmbed` with a table `t` and an Adagrad slot
 `a`, plus a dense head with parameters `w`:
 
@@ -41,13 +48,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 from penzai import pz
 
-from pz_sparsecore.nn.placement import place_tables
+from pz_sparsecore.nn.placement import committed_to_mesh, place_tables
 from pz_sparsecore.nn.ties import check_untied
 
 _READ = "__pzsc_read_variables"
@@ -94,9 +103,81 @@ def _merge(read: list[Any], written: list[Any], writes: tuple[int, ...]):
   return merged
 
 
-def _guess_key(args_slots: Any, kwargs_slots: Any, variables: Any) -> Any:
-  """What the written set is remembered by: structure, shapes and dtypes."""
-  leaves, treedef = jax.tree.flatten((args_slots, kwargs_slots, variables))
+_NAMING_OPTIONS = {
+  "static_argnums",
+  "static_argnames",
+  "donate_argnums",
+  "donate_argnames",
+  "in_shardings",
+}
+"""`jax.jit` options that refer to the function's own arguments."""
+
+_REMEMBERED = 8
+"""How many arguments holding variables a jitted function remembers."""
+
+_REMEMBERED_VALUES = 4096
+"""How many frozen variable values a jitted function keeps for reuse."""
+
+
+class _Hashed:
+  """A value hashed once and compared by identity first: a model's pytree
+  structure is large, and jit hashes its static arguments (and the written
+  set's guesses their keys) on every call."""
+
+  def __init__(self, value: Any):
+    self.value = value
+    self._hash = hash(value)
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other: Any) -> bool:
+    return self is other or (
+      isinstance(other, _Hashed) and self.value == other.value
+    )
+
+
+class _Unbound(NamedTuple):
+  """One argument with its variables unbound, and its slots flattened."""
+
+  slots: Any
+  variables: tuple[Any, ...]
+  key: _Hashed
+  structure: _Hashed
+  leaves: list[Any]
+
+
+_NO_VARIABLES = (jax.Array, np.ndarray, np.generic, int, float, bool, str)
+
+
+def _unbind_one(part: Any) -> _Unbound:
+  if isinstance(part, _NO_VARIABLES) or (
+    isinstance(part, pz.nx.NamedArray | pz.nx.NamedArrayView)
+    and isinstance(part.data_array, jax.Array)
+  ):
+    # Arrays hold no variables: skip Penzai's walk (a token batch, per call).
+    slots, variables = part, ()
+  else:
+    slots, variables = pz.unbind_variables(part)
+  leaves, treedef = jax.tree.flatten(slots)
+  return _Unbound(
+    slots,
+    tuple(variables),
+    _Hashed(_structure_key(treedef, leaves)),
+    _Hashed(treedef),
+    leaves,
+  )
+
+
+def _placed_constants(part: Any, unbound: _Unbound) -> _Unbound:
+  """A remembered model's uncommitted array leaves (Penzai's scales and
+  epsilons) put once on its mesh (`placement.committed_to_mesh`)."""
+  return unbound._replace(leaves=committed_to_mesh(unbound.leaves, part))
+
+
+def _structure_key(treedef: Any, leaves: list[Any]) -> Any:
+  """What the written set is remembered by: the arguments' structure (with
+  their variables' labels) and their array leaves' shapes and dtypes."""
   return treedef, tuple(
     (leaf.shape, leaf.dtype)
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype")
@@ -117,31 +198,63 @@ def _traced(fun: Callable[..., Any]) -> Callable[..., Any]:
     read = kwargs.pop(_READ)
     written = kwargs.pop(_WRITTEN)
     writes = kwargs.pop(_WRITES)
-    frozen = _merge(read, written, writes)
-    mutable = [var.unfreeze_as_copy() for var in frozen]
-    bound_args, bound_kwargs = pz.bind_variables((args, kwargs), mutable)
-    result = fun(*bound_args, **bound_kwargs)
-    _, leaked = pz.unbind_variables(result)
-    if leaked:
-      raise ValueError(
-        "Returning a variable from a function transformed by variable_jit "
-        "is not allowed; return `pz.unbind_variables(..., frozen=True)` and "
-        f"rebind the new variables after the call. Found variables: {leaked}"
-      )
-    found = tuple(
-      i
-      for i, (var, old) in enumerate(zip(mutable, frozen, strict=True))
-      if not _leaves_identical(old.value, var.value)
-    )
-    if found != writes:
-      raise _WrittenSetChanged(found)
-    # The written values come first so that donated inputs and their
-    # outputs pair up in the same order (XLA aliases each donated input to
-    # the first unclaimed output of the same shape and dtype).
-    return [mutable[i].freeze() for i in writes], result
+    return _bound_call(fun, args, kwargs, read, written, writes)
 
   inner.__signature__ = _signature_with_extras(fun)
   return inner
+
+
+def _traced_flat(fun: Callable[..., Any]) -> Callable[..., Any]:
+  """`_traced` for arguments given as static structures and array leaves
+  (`_VariableJitted`'s fast path, for jit options that name no argument)."""
+
+  def inner(structures, leaves, **extras):
+    read, written = extras[_READ], extras[_WRITTEN]
+    writes = extras[_WRITES]
+    arg_structures, kwarg_structures = structures
+    trees = [
+      jax.tree.unflatten(st.value, part)
+      for st, part in zip(
+        (*arg_structures, *(st for _, st in kwarg_structures)),
+        leaves,
+        strict=True,
+      )
+    ]
+    n = len(arg_structures)
+    kwargs = {
+      name: tree
+      for (name, _), tree in zip(kwarg_structures, trees[n:], strict=True)
+    }
+    return _bound_call(fun, trees[:n], kwargs, read, written, writes)
+
+  inner.__signature__ = _signature_with_extras(lambda structures, leaves: 0)
+  return inner
+
+
+def _bound_call(fun, args, kwargs, read, written, writes):
+  """`fun` on its arguments with their variables bound (see `_traced`)."""
+  frozen = _merge(read, written, writes)
+  mutable = [var.unfreeze_as_copy() for var in frozen]
+  bound_args, bound_kwargs = pz.bind_variables((args, kwargs), mutable)
+  result = fun(*bound_args, **bound_kwargs)
+  _, leaked = pz.unbind_variables(result)
+  if leaked:
+    raise ValueError(
+      "Returning a variable from a function transformed by variable_jit "
+      "is not allowed; return `pz.unbind_variables(..., frozen=True)` and "
+      f"rebind the new variables after the call. Found variables: {leaked}"
+    )
+  found = tuple(
+    i
+    for i, (var, old) in enumerate(zip(mutable, frozen, strict=True))
+    if not _leaves_identical(old.value, var.value)
+  )
+  if found != writes:
+    raise _WrittenSetChanged(found)
+  # The written values come first so that donated inputs and their
+  # outputs pair up in the same order (XLA aliases each donated input to
+  # the first unclaimed output of the same shape and dtype).
+  return [mutable[i].freeze() for i in writes], result
 
 
 def _jit_options(donate_variables: bool, jit_kwargs: dict[str, Any]):
@@ -169,20 +282,86 @@ class _VariableJitted:
     self._jitted = jax.jit(
       _traced(fun), **_jit_options(donate_variables, jit_kwargs)
     )
+    # The fast path passes each argument as a static structure and its
+    # array leaves; only when no jit option names the function's arguments.
+    self._flat = None
+    if not _NAMING_OPTIONS & set(jit_kwargs):
+      options = _jit_options(donate_variables, jit_kwargs)
+      options["static_argnames"] = (*options["static_argnames"], "structures")
+      self._flat = jax.jit(_traced_flat(fun), **options)
     # Argument structure and shapes → the written set last found for them.
     self._guesses: dict[Any, tuple[int, ...]] = {}
+    # id → (weak reference, unbinding) of the last arguments with variables.
+    self._parts: dict[int, tuple[Any, _Unbound]] = {}
+    # id → (variable, value, frozen value) of the last variables frozen.
+    self._frozen: dict[int, tuple[Any, Any, Any]] = {}
     functools.update_wrapper(self, fun)
     self.__doc__ = (
       "Variable-aware JIT-compiled version of "
       f"{getattr(fun, '__name__', fun)}:\n{fun.__doc__}"
     )
 
-  def _run(self, method: Callable[..., Any], args: Any, kwargs: Any):
-    """Calls `method` (the jitted function or its `lower`) with its set.
+  def _freeze(self, var: Any) -> Any:
+    """`var.freeze()`, the same object again while its value is."""
+    hit = self._frozen.get(id(var))
+    if hit is not None and hit[0] is var and hit[1] is var.value:
+      return hit[2]
+    if len(self._frozen) >= _REMEMBERED_VALUES:
+      self._frozen.clear()
+    frozen = var.freeze()
+    self._frozen[id(var)] = (var, var.value, frozen)
+    return frozen
 
-    Returns:
-      The variables of the arguments, the written set and `method`'s output.
+  def _unbind_part(self, part: Any) -> _Unbound:
+    """One argument unbound; arguments holding variables are remembered."""
+    hit = self._parts.get(id(part))
+    if hit is not None and hit[0]() is part:
+      return hit[1]
+    unbound = _unbind_one(part)
+    if not unbound.variables:
+      return unbound
+    try:
+      # Weakly: a dropped model frees its entry (and its variables).
+      ref = weakref.ref(part)
+    except TypeError:
+      return unbound
+    if len(self._parts) >= _REMEMBERED:
+      self._parts.pop(next(iter(self._parts)))
+    unbound = _placed_constants(part, unbound)
+    self._parts[id(part)] = (ref, unbound)
+    weakref.finalize(part, self._parts.pop, id(part), None)
+    return unbound
+
+  def _unbind(self, args: Any, kwargs: Any):
+    """`(args_slots, kwargs_slots, variables, guess key)` of a call.
+
+    Each argument is unbound on its own, and an argument holding variables
+    (a model) is remembered by identity: the next call with the same model
+    object skips walking it (Penzai's pytrees are immutable; the variables'
+    values are read afresh every call). Variables shared between arguments,
+    or labels used twice, take the whole-tree path, which merges or refuses
+    them as `pz.unbind_variables` does.
     """
+    parts = [*args, *kwargs.values()]
+    unbound = [self._unbind_part(p) for p in parts]
+    variables = [v for u in unbound for v in u.variables]
+    holders = sum(1 for u in unbound if u.variables)
+    if holders <= 1 or (
+      len({id(v) for v in variables}) == len(variables)
+      and len({v.label for v in variables}) == len(variables)
+    ):
+      n = len(args)
+      structures = (
+        tuple(u.structure for u in unbound[:n]),
+        tuple(zip(kwargs, (u.structure for u in unbound[n:]), strict=True)),
+      )
+      return (
+        tuple(u.slots for u in unbound[:n]),
+        dict(zip(kwargs, (u.slots for u in unbound[n:]), strict=True)),
+        variables,
+        (n, tuple(kwargs), tuple(u.key for u in unbound)),
+        (structures, [u.leaves for u in unbound]),
+      )
     try:
       (args_slots, kwargs_slots), variables = pz.unbind_variables(
         (args, kwargs)
@@ -190,19 +369,37 @@ class _VariableJitted:
     except Exception:  # Penzai's VariableConflictError, among others.
       check_untied((args, kwargs))  # A clearer error for a tied table.
       raise
-    frozen = [var.freeze() for var in variables]
-    key = _guess_key(args_slots, kwargs_slots, frozen)
-    if key not in self._guesses and place_tables((args, kwargs)):
-      frozen = [var.freeze() for var in variables]
+    return (
+      args_slots,
+      kwargs_slots,
+      variables,
+      _structure_key(*reversed(jax.tree.flatten((args_slots, kwargs_slots)))),
+      None,
+    )
+
+  def _run(self, lower: bool, args: Any, kwargs: Any):
+    """Calls the jitted function (or its `lower`) with its written set.
+
+    Returns:
+      The variables of the arguments, the written set and the output.
+    """
+    args_slots, kwargs_slots, variables, key, flat = self._unbind(args, kwargs)
+    if key not in self._guesses:
+      place_tables((args, kwargs))
+    frozen = [self._freeze(var) for var in variables]
     writes = self._guesses.get(key, ())
     for _ in range(2):
-      extras = {
-        _READ: [v for i, v in enumerate(frozen) if i not in writes],
-        _WRITTEN: [frozen[i] for i in writes],
-        _WRITES: writes,
-      }
+      read = [v for i, v in enumerate(frozen) if i not in writes]
+      written = [frozen[i] for i in writes]
       try:
-        out = method(*args_slots, **kwargs_slots, **extras)
+        if flat is not None and self._flat is not None:
+          method = self._flat.lower if lower else self._flat
+          extras = {_READ: read, _WRITTEN: written, _WRITES: writes}
+          out = method(*flat, **extras)
+        else:
+          method = self._jitted.lower if lower else self._jitted
+          extras = {_READ: read, _WRITTEN: written, _WRITES: writes}
+          out = method(*args_slots, **kwargs_slots, **extras)
       except _WrittenSetChanged as changed:
         writes = changed.written
         continue
@@ -214,16 +411,14 @@ class _VariableJitted:
     )
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    variables, writes, (new_values, result) = self._run(
-      self._jitted, args, kwargs
-    )
+    variables, writes, (new_values, result) = self._run(False, args, kwargs)
     for i, value in zip(writes, new_values, strict=True):
       variables[i].update(value)
     return result
 
   def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
     """`jax.jit(...).lower` of the call with these arguments."""
-    return self._run(self._jitted.lower, args, kwargs)[2]
+    return self._run(True, args, kwargs)[2]
 
 
 def variable_jit(

@@ -35,6 +35,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from penzai import pz
 
 from pz_sparsecore.nn.embed import SparseCoreEmbed, find_embeds
@@ -45,7 +48,12 @@ from pz_sparsecore.nn.tables import (
   positional_table,
 )
 
-__all__ = ["TablePlacementWarning", "complete_mapping", "place_tables"]
+__all__ = [
+  "TablePlacementWarning",
+  "complete_mapping",
+  "committed_to_mesh",
+  "place_tables",
+]
 
 
 class TablePlacementWarning(UserWarning):
@@ -139,3 +147,35 @@ def place_tables(model: Any) -> list[str]:
       stacklevel=3,
     )
   return moved
+
+
+def committed_to_mesh(tree: Any, model: Any) -> Any:
+  """`tree` with its uncommitted arrays put on `model`'s mesh, replicated.
+
+  Arrays a model creates without placing them (Penzai's scales and
+  epsilons, optax's step counters) are uncommitted: passed to a jitted call
+  over the mesh they are copied to every device on every call, and they
+  come back replicated, which makes the second call compile again. Put once
+  on the mesh of the model's first SparseCore layer, they stay put.
+
+  Args:
+    tree: Any pytree (frozen variables, optimizer state, array leaves).
+    model: The model whose SparseCore layers give the mesh; without any,
+      `tree` is returned as it is.
+
+  Returns:
+    The new tree.
+  """
+  embeds = find_embeds(model)
+  if not embeds:
+    return tree
+  replicated = NamedSharding(embeds[0].config.topology.mesh, P())
+
+  def place(leaf):
+    if isinstance(leaf, np.ndarray) or (
+      isinstance(leaf, jax.Array) and not leaf.committed
+    ):
+      return jax.device_put(leaf, replicated)
+    return leaf
+
+  return jax.tree.map(place, tree)

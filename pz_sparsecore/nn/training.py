@@ -71,7 +71,7 @@ from pz_sparsecore.nn.embed import (
   fits,
   variable_labels,
 )
-from pz_sparsecore.nn.placement import place_tables
+from pz_sparsecore.nn.placement import committed_to_mesh, place_tables
 from pz_sparsecore.nn.probe import ActivationProbe
 from pz_sparsecore.nn.tables import slot_arrays, table_arrays
 from pz_sparsecore.nn.ties import check_untied
@@ -579,7 +579,14 @@ class SparseCoreTrainer(pz.Struct):
       for p in params
       if p.label not in table_labels and p.metadata.get("trainable", True)
     ]
-    opt_state = optimizer_def.init(pz.freeze_params(tuple(dense)))
+    # Uncommitted arrays (the model's constants and unplaced parameters,
+    # optax's counters, the step) would come back from the first step
+    # placed on the mesh and make the second step compile again.
+    for var in pz.unbind_variables(model)[1]:
+      var.value = committed_to_mesh(var.value, model)
+    opt_state = committed_to_mesh(
+      optimizer_def.init(pz.freeze_params(tuple(dense))), model
+    )
     donated = ["state", "dense_params", "state_vars", "tables", "slots"]
     step_fn = jax.jit(
       _trainer_step,
@@ -593,7 +600,7 @@ class SparseCoreTrainer(pz.Struct):
         SparseCoreTrainerState(
           # An array from the start, so the first step and the later ones
           # share one compilation.
-          step=jnp.zeros((), jnp.int32),
+          step=committed_to_mesh(jnp.zeros((), jnp.int32), model),
           opt_state=opt_state,
           loss_fn_state=initial_loss_fn_state,
         ),
