@@ -343,7 +343,11 @@ class _VariableJitted:
     them as `pz.unbind_variables` does.
     """
     parts = [*args, *kwargs.values()]
-    unbound = [self._unbind_part(p) for p in parts]
+    try:
+      unbound = [self._unbind_part(p) for p in parts]
+    except Exception:  # Penzai's VariableConflictError, among others.
+      check_untied((args, kwargs))  # A clearer error for a tied table.
+      raise
     variables = [v for u in unbound for v in u.variables]
     holders = sum(1 for u in unbound if u.variables)
     if holders <= 1 or (
