@@ -627,6 +627,9 @@ def main() -> None:
   parser.add_argument(
     "--quick", action="store_true", help="toy sizes, a few repeats"
   )
+  parser.add_argument(
+    "--parts", default="123", help="which tables to print, e.g. 3 or 13"
+  )
   args = parser.parse_args()
   sizes = QUICK if args.quick else FULL
   mesh = make_mesh()
@@ -638,7 +641,9 @@ def main() -> None:
     + ("; --quick: toy sizes, not a measurement" if args.quick else "")
   )
   start = time.perf_counter()
-  for part in (part1, part2, part3):
+  for key, part in (("1", part1), ("2", part2), ("3", part3)):
+    if key not in args.parts:
+      continue
     print()
     print("\n".join(part(mesh, sizes)), flush=True)
   print(f"\ntotal {time.perf_counter() - start:.0f} s")

@@ -164,15 +164,56 @@ def _unbind_one(part: Any) -> _Unbound:
     slots,
     tuple(variables),
     _Hashed(_structure_key(treedef, leaves)),
-    _Hashed(treedef),
+    _Hashed((treedef, ())),
     leaves,
   )
 
 
+_BAKED_SIZE = 64
+"""A remembered model's array leaves of at most this many elements are
+compiled in as constants (as a raw `jax.jit` closing over the model does)."""
+
+
+_CONSTANTS = (np.ndarray, np.generic, jax.Array, int, float, complex, bool)
+
+
+class _Baked:
+  """A small constant compiled into the function; static, by identity."""
+
+  def __init__(self, value: Any):
+    self.value = value
+
+  def __hash__(self) -> int:
+    return id(self)
+
+  def __eq__(self, other: Any) -> bool:
+    return self is other
+
+
 def _placed_constants(part: Any, unbound: _Unbound) -> _Unbound:
-  """A remembered model's uncommitted array leaves (Penzai's scales and
-  epsilons) put once on its mesh (`placement.committed_to_mesh`)."""
-  return unbound._replace(leaves=committed_to_mesh(unbound.leaves, part))
+  """A remembered model's constants: the small ones (Penzai's scales and
+  epsilons) compiled in, the others put once on its mesh
+  (`placement.committed_to_mesh`): passed as arguments, they would cost a
+  transfer (uncommitted) or a buffer per device on every call."""
+  baked, leaves = [], []
+  for i, leaf in enumerate(unbound.leaves):
+    if isinstance(leaf, _CONSTANTS) and np.size(leaf) <= _BAKED_SIZE:
+      # Kept as it is (a Python scalar stays weakly typed).
+      baked.append((i, _Baked(leaf)))
+    else:
+      leaves.append(leaf)
+  return unbound._replace(
+    structure=_Hashed((unbound.structure.value[0], tuple(baked))),
+    leaves=committed_to_mesh(leaves, part),
+  )
+
+
+def _leaves_with(baked: tuple[tuple[int, _Baked], ...], leaves: Any) -> list:
+  """The leaves with the compiled-in constants back at their positions."""
+  out = list(leaves)
+  for i, const in baked:
+    out.insert(i, const.value)
+  return out
 
 
 def _structure_key(treedef: Any, leaves: list[Any]) -> Any:
@@ -213,7 +254,7 @@ def _traced_flat(fun: Callable[..., Any]) -> Callable[..., Any]:
     writes = extras[_WRITES]
     arg_structures, kwarg_structures = structures
     trees = [
-      jax.tree.unflatten(st.value, part)
+      jax.tree.unflatten(st.value[0], _leaves_with(st.value[1], part))
       for st, part in zip(
         (*arg_structures, *(st for _, st in kwarg_structures)),
         leaves,
@@ -318,7 +359,9 @@ class _VariableJitted:
     if hit is not None and hit[0]() is part:
       return hit[1]
     unbound = _unbind_one(part)
-    if not unbound.variables:
+    if not unbound.variables or any(
+      isinstance(leaf, jax.core.Tracer) for leaf in unbound.leaves
+    ):
       return unbound
     try:
       # Weakly: a dropped model frees its entry (and its variables).
