@@ -115,6 +115,15 @@ _NAMING_OPTIONS = {
 _REMEMBERED = 8
 """How many arguments holding variables a jitted function remembers."""
 
+_REMEMBERED_SIZE = 2**16
+"""Frozen values of at most this many elements are kept for reuse (the
+model's weights); larger ones (tables) are frozen afresh every call."""
+
+
+def _size(value: Any) -> int:
+  return sum(int(np.size(leaf)) for leaf in jax.tree.leaves(value))
+
+
 _REMEMBERED_VALUES = 4096
 """How many frozen variable values a jitted function keeps for reuse."""
 
@@ -345,12 +354,19 @@ class _VariableJitted:
   def _freeze(self, var: Any) -> Any:
     """`var.freeze()`, the same object again while its value is."""
     hit = self._frozen.get(id(var))
-    if hit is not None and hit[0] is var and hit[1] is var.value:
-      return hit[2]
+    if hit is not None and hit[0] is var:
+      if hit[1] is var.value:
+        return hit[2]
+      if hit[1] is None:  # Large: frozen afresh every call.
+        return var.freeze()
+    frozen = var.freeze()
     if len(self._frozen) >= _REMEMBERED_VALUES:
       self._frozen.clear()
-    frozen = var.freeze()
-    self._frozen[id(var)] = (var, var.value, frozen)
+    if _size(var.value) > _REMEMBERED_SIZE:
+      # Not kept: a stale copy of a large table would outlive its update.
+      self._frozen[id(var)] = (var, None, None)
+    else:
+      self._frozen[id(var)] = (var, var.value, frozen)
     return frozen
 
   def _unbind_part(self, part: Any) -> _Unbound:
