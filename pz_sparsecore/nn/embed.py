@@ -128,6 +128,30 @@ def _feature_axes(
   return tuple(out)
 
 
+def make_topology(
+  mesh: Mesh,
+  sharding_axis: Any,
+  num_sc_per_device: int,
+  exchange: str,
+  axis_name_to_mesh_name: Mapping[str, Any] | None,
+) -> topology_lib.Topology:
+  """The layer's topology from its `from_config` arguments.
+
+  Raises:
+    ValueError: If `mesh` is not a `jax.sharding.Mesh` with Auto axes, or
+      the axes or counts are bad.
+  """
+  if not isinstance(mesh, Mesh):
+    raise ValueError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
+  topology_lib.check_mesh(mesh)
+  return topology_lib.Topology(
+    mesh,
+    axis_mapping_lib.shard_axes(mesh, axis_name_to_mesh_name, sharding_axis),
+    num_sc_per_device,
+    exchange,
+  )
+
+
 def make_config(
   name: str,
   feature_specs: Any,
@@ -346,14 +370,8 @@ class SparseCoreEmbed(pz.nn.Layer):
       ValueError: On a bad topology, specs or axis names, a mesh axis the
         mesh lacks, or a mesh without Auto axes.
     """
-    if not isinstance(mesh, Mesh):
-      raise ValueError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
-    topology_lib.check_mesh(mesh)
-    topology = topology_lib.Topology(
-      mesh,
-      axis_mapping_lib.shard_axes(mesh, axis_name_to_mesh_name, sharding_axis),
-      num_sc_per_device,
-      exchange,
+    topology = make_topology(
+      mesh, sharding_axis, num_sc_per_device, exchange, axis_name_to_mesh_name
     )
     config = make_config(
       name,

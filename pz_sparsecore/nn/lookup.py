@@ -58,12 +58,10 @@ from pz_sparsecore.core import buffer_format, layout
 from pz_sparsecore.core import plan as plan_lib
 from pz_sparsecore.core.specs import FeatureSpec, OptimizerSpec, TableSpec
 from pz_sparsecore.device import build, routing
-from pz_sparsecore.device import topology as topology_lib
 from pz_sparsecore.host.preprocess import (
   PreprocessedInput,
   SparseDenseMatmulInputStats,
 )
-from pz_sparsecore.nn import axis_mapping as axis_mapping_lib
 from pz_sparsecore.nn import embed as embed_lib
 from pz_sparsecore.nn.placement import place_tables
 from pz_sparsecore.nn.tables import table_arrays
@@ -107,9 +105,7 @@ class LookupConfig(embed_lib.EmbedConfig):
   @property
   def stem(self) -> str:
     """The label without its `.embeddings` suffix (slot labels' prefix)."""
-    suffix = ".embeddings"
-    label = self.label
-    return label[: -len(suffix)] if label.endswith(suffix) else label
+    return _stem(self.label)
 
   def table_label(self, stack: str) -> str:
     del stack
@@ -137,6 +133,12 @@ class LookupConfig(embed_lib.EmbedConfig):
   def plan_for(self, samples: int) -> plan_lib.Plan:
     """The plan of a call with `samples` samples (padded to N's multiple)."""
     return _plan_for(self, self.padded_samples(samples))
+
+
+def _stem(label: str) -> str:
+  """A table label without its `.embeddings` suffix."""
+  suffix = ".embeddings"
+  return label[: -len(suffix)] if label.endswith(suffix) else label
 
 
 def _table_spec(
@@ -242,8 +244,6 @@ def _make_lookup_config(
   host_input: str,
   max_ids_per_partition: int | None,
 ) -> LookupConfig:
-  if not isinstance(mesh, Mesh):
-    raise ValueError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
   if not isinstance(optimizer, OptimizerSpec):
     raise ValueError(
       f"SparseCoreLookup {label!r}: optimizer must be an optimizer spec "
@@ -260,16 +260,10 @@ def _make_lookup_config(
       f"SparseCoreLookup {label!r}: max_ids_per_partition must be positive "
       f"or None, got {max_ids_per_partition!r}"
     )
-  topology_lib.check_mesh(mesh)
-  topology = topology_lib.Topology(
-    mesh,
-    axis_mapping_lib.shard_axes(mesh, axis_name_to_mesh_name, sharding_axis),
-    num_sc_per_device,
-    exchange,
+  topology = embed_lib.make_topology(
+    mesh, sharding_axis, num_sc_per_device, exchange, axis_name_to_mesh_name
   )
-  stem = (
-    label[: -len(".embeddings")] if label.endswith(".embeddings") else label
-  )
+  stem = _stem(label)
   table = _table_spec(
     stem,
     vocab_size,
