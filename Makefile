@@ -7,7 +7,7 @@ BUILD_DEPS := scikit-build-core nanobind jax==0.10.2 jaxlib==0.10.2
 SOURCES := pyproject.toml constraints.txt CMakeLists.txt $(wildcard csrc/*) \
 	pz_sparsecore/device/kernels/abi_version.h
 
-.PHONY: demo test test-asan lint bench bench-large docs readme-figure clean
+.PHONY: demo test test-asan cuda-check lint bench bench-large docs readme-figure clean
 
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -90,3 +90,21 @@ docs: $(STAMP)
 
 clean:
 	rm -rf build $(VENV)
+
+# Compiles the CUDA handlers (and the module registering them) with warnings
+# as errors for the project's own sources, for every architecture the CUDA
+# build targets; no GPU needed. Skipped, saying so, where nvcc is missing.
+# CI runs it (.ci/run). The object files stay in build/cuda-check, apart from
+# the pip build.
+CUDA_CHECK_BUILD := build/cuda-check
+cuda-check: $(STAMP)
+	@if ! command -v nvcc >/dev/null 2>&1; then \
+		echo "cuda-check: no nvcc on this machine, CUDA sources not compiled"; \
+		exit 0; fi; \
+	cmake -S . -B $(CUDA_CHECK_BUILD) -DCMAKE_BUILD_TYPE=Release \
+		-DPython_EXECUTABLE=$(abspath $(PY)) -DPZSC_CUDA=ON \
+		-DCMAKE_CXX_FLAGS="-Wall -Wextra -Werror" \
+		-DCMAKE_CUDA_FLAGS="-Werror all-warnings -Xcompiler=-Wall,-Wextra,-Werror" \
+		>/dev/null && \
+	cmake --build $(CUDA_CHECK_BUILD) -j 2 && \
+	echo "cuda-check: CUDA handlers compiled without warnings"

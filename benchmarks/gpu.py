@@ -7,10 +7,14 @@ the extension built with the CUDA handlers; prints the tables last).
 Workloads: a batch of 65,536 samples x 32 ids (sum combiner) looked up in a
 ``[vocab, 64]`` f32 table, vocab 1M, 8M and 64M, ids uniform or Zipf(1.05).
 Every library runs in its own subprocess per workload (so that each has the
-GPU's memory to itself); each figure is the median of ``--repeats`` calls
-after warm-up, wall time around a call that blocks until the GPU is done
-(JAX: ``block_until_ready``; torch: ``torch.cuda.synchronize``), so our
-handlers' host-side row-pointer check counts.
+GPU's memory to itself); each figure is the median of ``--repeats`` timed
+runs after warm-up, each run ``PIPELINE`` (10) calls enqueued back to back
+and one wait for the GPU at the end (JAX: ``block_until_ready``; torch:
+``torch.cuda.synchronize``), divided by 10: device time per call, as a
+training loop that keeps the GPU fed sees it. Column ``1 call`` of part 1
+is our forward dispatched and waited for alone (the latency). The jaxlib
+version is printed: plain JAX's scatter-add and ``segment_sum`` speeds
+changed between releases.
 
 1. ``fwd``: the lookup. Ours:
    ``pz_sparsecore.device.kernels.sparse_dense_matmul`` on the buffers of the
@@ -72,6 +76,29 @@ def make_ids(vocab: int, dist: str, seed: int = 0):
   return ids.reshape(BATCH, IDS).astype(np.int64)
 
 
+#: Calls enqueued back to back per timed run (one wait at the end): the
+#: figures are device time per call, as a training loop that keeps the GPU
+#: fed sees it, without one dispatch-and-wait round trip per call.
+PIPELINE = 10
+
+
+def pipelined_ms(call, wait, repeats: int, n: int = PIPELINE) -> float:
+  """Median over ``repeats`` runs of ``n`` back-to-back ``call()``s then one
+  ``wait(last result)``, per call."""
+
+  def run():
+    result = None
+    for _ in range(n):
+      result = call()
+    wait(result)
+
+  return median_ms(run, repeats) / n
+
+
+def _ready(x):
+  x.block_until_ready()
+
+
 def median_ms(fn, repeats: int, warmup: int = 3) -> float:
   for _ in range(warmup):
     fn()
@@ -91,6 +118,7 @@ def child_jax(vocab: int, dist: str, repeats: int) -> dict:
 
   import jax
   import jax.numpy as jnp
+  import jaxlib
   import numpy as np
 
   from pz_sparsecore.device import kernels
@@ -124,12 +152,18 @@ def child_jax(vocab: int, dist: str, repeats: int) -> dict:
   act = jax.device_put(
     jnp.asarray(rng.normal(size=(BATCH, DIM)), jnp.float32), gpu
   )
-  out = {"prep_ms": prep_ms, "entries": int((np.asarray(bufs[1]) < rows).sum())}
+  out = {
+    "prep_ms": prep_ms,
+    "entries": int((np.asarray(bufs[1]) < rows).sum()),
+    "unique_rows": int(np.unique(ids).size),
+    "jaxlib": jaxlib.__version__,
+  }
 
   fwd = jax.jit(functools.partial(kernels.sparse_dense_matmul, **layout))
   y = fwd(*bufs, table)
   out["fwd_sample"] = np.asarray(y[:64]).tolist()
-  out["ours_fwd"] = median_ms(
+  out["ours_fwd"] = pipelined_ms(lambda: fwd(*bufs, table), _ready, repeats)
+  out["ours_fwd_blocking"] = median_ms(
     lambda: fwd(*bufs, table).block_until_ready(), repeats
   )
 
@@ -160,25 +194,25 @@ def child_jax(vocab: int, dist: str, repeats: int) -> dict:
 
   ids_dev = jax.device_put(jnp.asarray(ids, jnp.int32), gpu)
   jfwd = jax.jit(lambda t, i: jnp.take(t, i, axis=0).sum(1))
-  out["jax_fwd"] = median_ms(
-    lambda: jfwd(table, ids_dev).block_until_ready(), repeats
-  )
+  out["jax_fwd"] = pipelined_ms(lambda: jfwd(table, ids_dev), _ready, repeats)
   table = None  # Freed: each optimizer gets a fresh table.
   check_rows = np.unique(ids[:64].reshape(-1))
   for opt in ("sgd", "adagrad"):
     slots = () if opt == "sgd" else (jnp.full((rows, DIM), ACC0, jnp.float32),)
     state = [make_table(block), slots]
 
-    def run(fn, opt=opt, state=state):
+    def call(fn, opt=opt, state=state):
       state[0], state[1] = fn(state[0], state[1], opt, act, bufs)
-      state[0].block_until_ready()
+      return state[0]
 
     if opt == "sgd":
-      run(update)
+      _ready(call(update))
       out["sgd_rows"] = np.asarray(state[0][check_rows]).tolist()
       out["sgd_rows_before"] = np.asarray(block[check_rows % 1024]).tolist()
-    out[f"ours_update_{opt}"] = median_ms(lambda: run(update), repeats)
-    out[f"ours_step_{opt}"] = median_ms(lambda: run(step), repeats)
+    out[f"ours_update_{opt}"] = pipelined_ms(
+      lambda: call(update), _ready, repeats
+    )
+    out[f"ours_step_{opt}"] = pipelined_ms(lambda: call(step), _ready, repeats)
     state = None
 
   if vocab <= (1 << 23):
@@ -190,11 +224,11 @@ def child_jax(vocab: int, dist: str, repeats: int) -> dict:
 
     st = [make_table(block)]
 
-    def jrun():
+    def jcall():
       st[0] = jax_update(st[0], ids_dev, act)
-      st[0].block_until_ready()
+      return st[0]
 
-    out["jax_update_sgd"] = median_ms(jrun, repeats)
+    out["jax_update_sgd"] = pipelined_ms(jcall, _ready, repeats)
   return out
 
 
@@ -213,11 +247,7 @@ def child_torch(vocab: int, dist: str, repeats: int) -> dict:
   out = {}
 
   def timed(fn):
-    def run():
-      fn()
-      torch.cuda.synchronize()
-
-    return median_ms(run, repeats)
+    return pipelined_ms(fn, lambda _: torch.cuda.synchronize(), repeats)
 
   # The card's copy bandwidth (bytes read + written).
   a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
@@ -355,12 +385,20 @@ def main() -> None:
   copy = next(
     (p["copy_gbs"] for *_, p in rows if "copy_gbs" in p), float("nan")
   )
-  print(f"\nGPU copy bandwidth (read + write): {copy:.0f} GB/s")
-  print("\n1. forward (ms; GB/s = ids' rows read + output written)")
+  jaxlib_version = next(
+    (o["jaxlib"] for _, _, o, _ in rows if "jaxlib" in o), "?"
+  )
+  print(f"\njaxlib {jaxlib_version}")
+  print(f"GPU copy bandwidth (read + write): {copy:.0f} GB/s")
+  print(
+    "\n1. forward (ms per call, pipelined; GB/s = ids' rows read + output "
+    "written, TorchRec's count; % of the copy bandwidth; 1 call: ours "
+    "dispatched and waited for alone)"
+  )
   print(
     f"{'vocab':>9} {'ids':8} {'entries':>9} {'host prep':>9} {'ours':>7} "
-    f"{'GB/s':>6} {'torch':>7} {'x ours':>6} {'jax':>7} {'x ours':>6} "
-    f"{'check':>7}"
+    f"{'GB/s':>6} {'%copy':>5} {'1 call':>7} {'torch':>7} {'x ours':>6} "
+    f"{'jax':>7} {'x ours':>6} {'check':>7}"
   )
   for vocab, dist, o, p in rows:
     if "error" in o or "error" in p:
@@ -370,16 +408,20 @@ def main() -> None:
     print(
       f"{vocab:>9} {dist:8} {o['entries']:>9} {o['prep_ms']:>9.1f} "
       f"{o['ours_fwd']:>7.3f} {gb / o['ours_fwd'] * 1e3:>6.0f} "
-      f"{p['torch_fwd']:>7.3f} "
+      f"{100 * gb / o['ours_fwd'] * 1e3 / copy:>5.0f} "
+      f"{o['ours_fwd_blocking']:>7.3f} {p['torch_fwd']:>7.3f} "
       f"{p['torch_fwd'] / o['ours_fwd']:>6.2f} {o['jax_fwd']:>7.3f} "
       f"{o['jax_fwd'] / o['ours_fwd']:>6.2f} "
       f"{_close(o['fwd_sample'], p['fwd_sample']):>7}"
     )
   print(
-    "\n2./3. update and step (ms): ours fused, torch sparse grad + optimizer"
+    "\n2./3. update and step (ms per call, pipelined): ours fused, torch "
+    "sparse grad + optimizer; GB/s of ours: each referenced row and its "
+    "slot read and written once, the activation gradient read once"
   )
   print(
-    f"{'vocab':>9} {'ids':8} {'opt':8} {'ours upd':>8} {'torch upd':>9} "
+    f"{'vocab':>9} {'ids':8} {'opt':8} {'ours upd':>8} {'GB/s':>6} "
+    f"{'%copy':>5} {'torch upd':>9} "
     f"{'x ours':>6} {'ours step':>9} {'torch step':>10} {'x ours':>6} "
     f"{'jax upd':>8} {'check':>7}"
   )
@@ -389,8 +431,12 @@ def main() -> None:
     for opt in ("sgd", "adagrad"):
       ju = o.get(f"jax_update_{opt}")
       check = _close(o["sgd_rows"], p["sgd_rows"]) if opt == "sgd" else ""
+      arrays = 1 if opt == "sgd" else 2
+      gb = (2 * arrays * o["unique_rows"] + BATCH) * DIM * 4 / 1e9
+      gbs = gb / o[f"ours_update_{opt}"] * 1e3
       print(
         f"{vocab:>9} {dist:8} {opt:8} {o[f'ours_update_{opt}']:>8.3f} "
+        f"{gbs:>6.0f} {100 * gbs / copy:>5.0f} "
         f"{p[f'torch_update_{opt}']:>9.3f} "
         f"{p[f'torch_update_{opt}'] / o[f'ours_update_{opt}']:>6.2f} "
         f"{o[f'ours_step_{opt}']:>9.3f} {p[f'torch_step_{opt}']:>10.3f} "

@@ -188,7 +188,8 @@ ffi::Error CheckGradOperands(int num_slots, int num_hyperparameters,
       err.failure()) {
     return err;
   }
-  if (rest.size() != num_slots + 1 || slots_out.size() != num_slots) {
+  if (rest.size() != static_cast<size_t>(num_slots) + 1 ||
+      slots_out.size() != static_cast<size_t>(num_slots)) {
     return ffi::Error::InvalidArgument(
         "expected " + std::to_string(num_slots) +
         " slot operands and results plus the hyperparameters");

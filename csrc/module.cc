@@ -32,6 +32,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulCuda);
   XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGrad##Name##Cuda);
 PZSC_OPTIMIZERS(PZSC_DECLARE_GRAD_CUDA)
 #undef PZSC_DECLARE_GRAD_CUDA
+// Copies the CUDA handlers' status word into out[0..5] and clears it;
+// returns 6, or 0 if no error was recorded (sparse_dense_matmul_cuda.cu).
+int TakeCudaStatus(int64_t* out);
 #endif
 }  // namespace pzsc
 
@@ -91,6 +94,21 @@ NB_MODULE(_pzsc_ffi, m) {
 #endif
     return regs;
   });
+  m.def(
+      "take_cuda_status",
+      []() -> nb::object {
+#ifdef PZSC_WITH_CUDA
+        int64_t words[6] = {};
+        if (pzsc::TakeCudaStatus(words) == 0) return nb::none();
+        return nb::make_tuple(words[0], words[1], words[2], words[3],
+                              words[4], words[5]);
+#else
+        return nb::none();
+#endif
+      },
+      "The first error the CUDA handlers recorded on the device since the "
+      "last call (code, segment, partition, next start, rp[partition], "
+      "start), cleared; None if none.");
   m.def("has_cuda", []() {
 #ifdef PZSC_WITH_CUDA
     return true;

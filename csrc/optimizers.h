@@ -45,6 +45,15 @@ inline constexpr int kMaxHyperparameters =
 static_assert(kMaxSlots <= PZSC_SLOT_ARGS_MAX,
               "PZSC_SLOT_ARGS passes at most PZSC_SLOT_ARGS_MAX slots");
 
+// max(x, y) and min(x, y) as jnp.maximum and jnp.minimum: NaN if either is
+// NaN (fmaxf and fminf return the other operand).
+PZSC_HOST_DEVICE float NanMax(float x, float y) {
+  return x != x ? x : (y != y ? y : fmaxf(x, y));
+}
+PZSC_HOST_DEVICE float NanMin(float x, float y) {
+  return x != x ? x : (y != y ? y : fminf(x, y));
+}
+
 PZSC_HOST_DEVICE constexpr int NumSlots(Optimizer opt) {
   switch (opt) {
 #define PZSC_NUM_SLOTS_CASE(Name, name, num_slots, num_hyperparameters) \
@@ -138,7 +147,7 @@ PZSC_HOST_DEVICE void FtrlElement(const Hyperparameters& h, float& w, float& a,
   const float p_new = powf(acc_new, -k);
   const float dp = p_new - powf(a, -k);
   const float lin = mlr ? l + lr * g - dp * w : l + g - (dp / lr) * w;
-  const float num = l1 == 0.0f ? -lin : fminf(fmaxf(lin, -l1s), l1s) - lin;
+  const float num = l1 == 0.0f ? -lin : NanMin(NanMax(lin, -l1s), l1s) - lin;
   const float den =
       mlr ? p_new + 2.0f * lr * l2 + beta : (p_new + beta) / lr + 2.0f * l2;
   l = lin;
@@ -172,8 +181,8 @@ PZSC_HOST_DEVICE void F2AElement(const Hyperparameters& h, float& w, float& a,
   const float lr = h.v[0], rho = h.v[1], l1 = h.v[2], l2 = h.v[3];
   const float max_multiplier = h.v[4], step = h.v[5];
   const float local_step = n + 1.0f;
-  const float ratio = fmaxf(step, 1.0f) / local_step;
-  const float multiplier = fminf(powf(ratio, rho), max_multiplier);
+  const float ratio = NanMax(step, 1.0f) / local_step;
+  const float multiplier = NanMin(powf(ratio, rho), max_multiplier);
   const float acc = a + g * g;
   const float update =
       multiplier * g / sqrtf(acc) + (l1 * SignOf(w) + l2 * w);

@@ -26,7 +26,8 @@ struct Quantization {
 PZSC_HOST_DEVICE float Quantize(const Quantization& q, float x) {
   const float step =
       (q.max_value - q.min_value) / static_cast<float>(q.num_buckets - 1);
-  const float clipped = fminf(fmaxf(x, q.min_value), q.max_value);
+  // NaN stays NaN (as jnp.clip): a diverged table shows through the lookup.
+  const float clipped = NanMin(NanMax(x, q.min_value), q.max_value);
   return q.min_value + rintf((clipped - q.min_value) / step) * step;
 }
 

@@ -15,11 +15,14 @@
 // (p - partition_begin) * rows_per_partition + id, which is inside the
 // table. Any buffer contents keep every access inside its buffer.
 //
-// Forward. Groups of lanes take runs of consecutive entries and add
-// gain * table row into each entry's output row with float atomics (16-byte
-// vector atomics on sm_90). The preprocessor sorts a partition's entries by
-// row, so a run mostly reads one row once. The summation order, and so the last
-// bits of an output, is not deterministic.
+// Forward. Each warp takes tiles of 32 consecutive entries: every lane
+// decodes one entry (its row, output row and gain: one binary search per
+// entry), then groups of lanes (as many as a row has 4-float chunks, at most
+// 32) walk the tile's entries, the decoded values broadcast by shuffles, and
+// add gain * table row into the entry's output row with float atomics
+// (16-byte vector atomics on sm_90), four entries' rows loaded before their
+// adds. The summation order, and so the last bits of an output, is not
+// deterministic.
 //
 // Backward. Deterministic, and no atomics on the table or slots: each valid
 // position gets the key of its table row (invalid ones the key `rows`, past
@@ -31,15 +34,25 @@
 // CPU handlers use). Longer runs (hot rows) are cut into chunks of kChunk
 // positions: one warp per chunk writes the chunk's sum to scratch, then one
 // warp per run adds its chunks' sums in chunk order and applies the update.
+// The number of runs is known on the device only: these kernels are
+// launched with a grid that fills the GPU once (kBlocksPerSm blocks per
+// multiprocessor, fewer for small batches) and loop over the runs.
 // Clipping follows the update, on the table only. Scratch (keys, positions,
 // runs, chunk sums; O(entries x dim / kChunk + entries), independent of the
 // table's size) comes from XLA's allocator.
 //
 // Errors. Row pointers whose partition starts decrease are an error, as on
-// CPU. Checking them needs the row pointers on the host: each call copies
-// them (num_segments x rp_stride int32) to the host and synchronises the
-// stream before anything is written. Every CUDA call's status is checked; a
-// failure is returned as an error naming the call.
+// CPU, found without a host synchronisation: a one-block kernel checks them
+// first and, on the first decrease (segment-major, as CollectSlices reports
+// it), sets the call's skip flag (scratch: every later kernel of the call
+// then does nothing, so the output is zero and the table and slots are
+// unchanged) and records the error in the status word, pinned host memory
+// mapped into the device (PzscTakeCudaStatus reads and clears it; the
+// Python side raises it once the call's results are ready:
+// pz_sparsecore.device.kernels.raise_device_errors). Every other check
+// (shapes, attributes, sizes) happens on the host before any launch and is
+// returned as an error. Every CUDA call's status is checked; a failure is
+// returned as an error naming the call.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -49,7 +62,6 @@
 #include <cub/device/device_scan.cuh>
 #include <optional>
 #include <string>
-#include <vector>
 
 #include "coo_layout.h"
 #include "optimizer_list.h"
@@ -68,6 +80,9 @@ constexpr int kRegs = 4;
 constexpr int32_t kChunk = 64;
 // Upper bound on the blocks of one launch (the kernels loop over the rest).
 constexpr int64_t kMaxBlocks = 1 << 20;
+// Blocks per multiprocessor of a grid that fills the GPU once (8 blocks of
+// 256 threads: 2048 threads, an sm_80/sm_90 multiprocessor's limit).
+constexpr int kBlocksPerSm = 8;
 
 struct DeviceLayout {
   const int32_t* row_pointers;
@@ -161,70 +176,160 @@ __device__ __forceinline__ void AtomicAdd4(float* dst, float4 v) {
 #endif
 }
 
-// Groups of 2^lane_shift threads (at most a warp), each taking a run of
-// kForwardRun consecutive positions. A partition's entries are sorted by
-// row, so a run mostly names one row: the group keeps the row's elements in
-// registers and reads it again only when the row changes (hot rows are not
-// read by every SM at once). kVec4: dim % 4 == 0 and 16-byte aligned rows,
-// read and added 4 elements at a time.
-constexpr int64_t kForwardRun = 8;
+// Entries per warp tile: one decoded by each lane.
+constexpr int kTile = kWarpSize;
+// Entries whose rows a group loads before adding them.
+constexpr int kForwardBatch = 4;
 
+// The decoded entry at position j: its table row (-1 if unused), output row
+// and gain.
+struct Decoded {
+  int64_t row;
+  int64_t out_row;
+  float gain;
+};
+
+__device__ __forceinline__ Decoded Decode(const DeviceLayout& l, int64_t j) {
+  Decoded e{-1, 0, 0.0f};
+  if (j < l.num_positions) {
+    e.row = EntryRow(l, j, &e.out_row);
+    if (e.row >= 0) e.gain = l.gains[j];
+  }
+  return e;
+}
+
+__device__ __forceinline__ float4 LoadRow(const float* src, Quantization q,
+                                          bool vec4) {
+  float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (vec4) {
+    x = __ldg(reinterpret_cast<const float4*>(src));
+  } else {
+    x.x = __ldg(src);
+  }
+  if (q.num_buckets > 0) {
+    x = make_float4(Quantize(q, x.x), Quantize(q, x.y), Quantize(q, x.z),
+                    Quantize(q, x.w));
+  }
+  return x;
+}
+
+// Warps take tiles of kTile consecutive positions (grid-stride). Lane i
+// decodes position tile + i; the warp's 32 / 2^lane_shift groups of
+// 2^lane_shift lanes then each walk a contiguous share of the tile, every
+// lane adding kWidth columns (kVec4: dim % 4 == 0 and 16-byte aligned rows,
+// 4 columns at a time) of each entry's gain * row into its output row.
 template <bool kVec4>
-__global__ void PzscForwardKernel(DeviceLayout l, int lane_shift,
+__global__ void __launch_bounds__(kThreadsPerBlock, 4) PzscForwardKernel(DeviceLayout l, int lane_shift,
                                   const float* __restrict__ table,
-                                  float* __restrict__ out, Quantization q) {
-  const int lanes = 1 << lane_shift;
-  const int64_t groups =
-      (static_cast<int64_t>(gridDim.x) * blockDim.x) >> lane_shift;
-  const int lane = threadIdx.x & (lanes - 1);
+                                  float* __restrict__ out, Quantization q,
+                                  const int32_t* __restrict__ skip) {
+  if (*skip) return;
   constexpr int kWidth = kVec4 ? 4 : 1;
-  for (int64_t first =
-           ((static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >>
-            lane_shift) *
-           kForwardRun;
-       first < l.num_positions; first += groups * kForwardRun) {
-    const int64_t last = min(first + kForwardRun, l.num_positions);
-    for (int64_t d = kWidth * lane; d < l.dim; d += kWidth * lanes) {
-      int64_t cached = -1;
-      float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int64_t j = first; j < last; ++j) {
-        int64_t out_row;
-        const int64_t row = EntryRow(l, j, &out_row);
-        if (row < 0) continue;
-        const float* src = table + row * l.dim + d;
-        if (row != cached) {
-          cached = row;
-          if constexpr (kVec4) {
-            x = *reinterpret_cast<const float4*>(src);
-          } else {
-            x.x = *src;
-          }
-          if (q.num_buckets > 0) {
-            x = make_float4(Quantize(q, x.x), Quantize(q, x.y),
-                            Quantize(q, x.z), Quantize(q, x.w));
-          }
+  const int lane = threadIdx.x % kWarpSize;
+  const int lanes = 1 << lane_shift;
+  const int group = lane >> lane_shift;
+  const int group_lane = lane & (lanes - 1);
+  const int per_group = lanes;  // kTile / (kWarpSize / lanes)
+  const int64_t warps =
+      static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
+  for (int64_t tile = (static_cast<int64_t>(blockIdx.x) * blockDim.x +
+                       threadIdx.x) / kWarpSize * kTile;
+       tile < l.num_positions; tile += warps * kTile) {
+    const Decoded mine = Decode(l, tile + lane);
+    // Whole warp: skip tiles without a used entry (padding).
+    if (__ballot_sync(0xffffffffu, mine.row >= 0) == 0) continue;
+    const int first = group * per_group;
+    for (int i = 0; i < per_group; i += kForwardBatch) {
+      int64_t rows[kForwardBatch], outs[kForwardBatch];
+      float gains[kForwardBatch];
+#pragma unroll
+      for (int b = 0; b < kForwardBatch; ++b) {
+        // Every lane takes part in the shuffles (per_group is a multiple
+        // of kForwardBatch for every lane_shift >= 2; smaller groups of a
+        // non-vector row take i + b past the share only as a no-op).
+        const int src = first + min(i + b, per_group - 1);
+        rows[b] = __shfl_sync(0xffffffffu, mine.row, src);
+        outs[b] = __shfl_sync(0xffffffffu, mine.out_row, src);
+        gains[b] = __shfl_sync(0xffffffffu, mine.gain, src);
+        if (i + b >= per_group) rows[b] = -1;
+      }
+      for (int64_t d = kWidth * group_lane; d < l.dim; d += kWidth * lanes) {
+        float4 x[kForwardBatch];
+#pragma unroll
+        for (int b = 0; b < kForwardBatch; ++b) {
+          x[b] = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (rows[b] >= 0) x[b] = LoadRow(table + rows[b] * l.dim + d, q, kVec4);
         }
-        const float g = l.gains[j];
-        float* dst = out + out_row * l.dim + d;
-        if constexpr (kVec4) {
-          AtomicAdd4(dst, make_float4(g * x.x, g * x.y, g * x.z, g * x.w));
-        } else {
-          atomicAdd(dst, g * x.x);
+#pragma unroll
+        for (int b = 0; b < kForwardBatch; ++b) {
+          if (rows[b] < 0) continue;
+          const float g = gains[b];
+          float* dst = out + outs[b] * l.dim + d;
+          if constexpr (kVec4) {
+            AtomicAdd4(dst, make_float4(g * x[b].x, g * x[b].y, g * x[b].z,
+                                        g * x[b].w));
+          } else {
+            atomicAdd(dst, g * x[b].x);
+          }
         }
       }
     }
   }
 }
 
+// The status word's fields (PzscTakeCudaStatus): [0] the error code
+// (kStatusRowPointers, or 0), then the segment, the partition p whose
+// successor would start early, that start, rp[p] and p's start.
+constexpr int kStatusWords = 6;
+constexpr int64_t kStatusRowPointers = 1;
+
+// One block: *skip = whether the partition starts of some segment decrease
+// (CollectSlices' rule); the first decrease, in segment-major order, goes
+// to the status word.
+__global__ void PzscCheckKernel(const int32_t* __restrict__ rp,
+                                int64_t num_segments, int64_t rp_stride,
+                                int64_t num_partitions, int64_t seg_len,
+                                int32_t* skip,
+                                volatile int64_t* status) {
+  __shared__ unsigned long long first;
+  if (threadIdx.x == 0) first = ~0ull;
+  __syncthreads();
+  const int64_t pairs = num_segments * (num_partitions - 1);
+  for (int64_t i = threadIdx.x; i < pairs; i += blockDim.x) {
+    const int64_t k = i / (num_partitions - 1);
+    const int64_t p = i - k * (num_partitions - 1);
+    const int32_t* seg = rp + k * rp_stride;
+    if (PartitionStart(seg, p + 1, seg_len) < PartitionStart(seg, p, seg_len)) {
+      atomicMin(&first, static_cast<unsigned long long>(i));
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  *skip = first != ~0ull;
+  if (first == ~0ull) return;
+  const int64_t k = static_cast<int64_t>(first) / (num_partitions - 1);
+  const int64_t p = static_cast<int64_t>(first) - k * (num_partitions - 1);
+  const int32_t* seg = rp + k * rp_stride;
+  status[1] = k;
+  status[2] = p;
+  status[3] = PartitionStart(seg, p + 1, seg_len);
+  status[4] = seg[p];
+  status[5] = PartitionStart(seg, p, seg_len);
+  __threadfence_system();
+  status[0] = kStatusRowPointers;
+}
+
 // keys[j] = the table row of position j, or `rows` if unused; positions[j]
 // = j.
 template <typename Key>
 __global__ void PzscKeysKernel(DeviceLayout l, Key rows, Key* keys,
-                               int32_t* positions) {
+                               int32_t* positions,
+                               const int32_t* __restrict__ skip) {
+  const bool none = *skip != 0;
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
        j < l.num_positions; j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     int64_t out_row;
-    const int64_t row = EntryRow(l, j, &out_row);
+    const int64_t row = none ? -1 : EntryRow(l, j, &out_row);
     keys[j] = row < 0 ? rows : static_cast<Key>(row);
     positions[j] = static_cast<int32_t>(j);
   }
@@ -332,9 +437,14 @@ __global__ void PzscUpdateKernel(UpdateArgs a, Key rows,
         long_runs[2 * at + 1] = first;
       }
       first = __shfl_sync(0xffffffffu, first, 0);
+      // In int64: begin + (c + 1) kChunk can pass 2^31 when the run ends
+      // within kChunk of it; the bounds themselves fit (<= begin + len).
       for (int32_t c = lane; c < chunks; c += kWarpSize) {
-        chunk_begin[first + c] = begin + c * kChunk;
-        chunk_end[first + c] = min(begin + len, begin + (c + 1) * kChunk);
+        const int64_t lo = static_cast<int64_t>(begin) +
+                           static_cast<int64_t>(c) * kChunk;
+        chunk_begin[first + c] = static_cast<int32_t>(lo);
+        chunk_end[first + c] = static_cast<int32_t>(
+            min(static_cast<int64_t>(begin) + len, lo + kChunk));
       }
       continue;
     }
@@ -416,19 +526,57 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
     return err;                                                   \
   }
 
-// Checks the row pointers as the CPU handlers do (CollectSlices on a host
-// copy): an error if a segment's partition starts decrease.
-ffi::Error CheckRowPointers(cudaStream_t stream, const CooView& view) {
-  std::vector<int32_t> host(view.attrs.num_segments * view.rp_stride);
-  if (host.empty()) return ffi::Error::Success();
-  PZSC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host.data(), view.row_pointers,
-                                            host.size() * sizeof(int32_t),
-                                            cudaMemcpyDeviceToHost, stream));
-  PZSC_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  CooView on_host = view;
-  on_host.row_pointers = host.data();
-  std::vector<Slice> slices;
-  return CollectSlices(on_host, &slices);
+// The status word: pinned host memory mapped into every device's address
+// space (UVA: one pointer for host and devices), allocated once.
+struct StatusWord {
+  int64_t* words = nullptr;
+  cudaError_t error = cudaSuccess;
+};
+
+const StatusWord& Status() {
+  static const StatusWord status = [] {
+    StatusWord s;
+    void* p = nullptr;
+    s.error = cudaHostAlloc(&p, kStatusWords * sizeof(int64_t),
+                            cudaHostAllocMapped | cudaHostAllocPortable);
+    if (s.error == cudaSuccess) {
+      s.words = static_cast<int64_t*>(p);
+      for (int i = 0; i < kStatusWords; ++i) s.words[i] = 0;
+    }
+    return s;
+  }();
+  return status;
+}
+
+// Launches the row-pointer check of a call (PzscCheckKernel) into *skip,
+// a 4-byte scratch word; the call's later kernels read it.
+ffi::Error CheckRowPointers(cudaStream_t stream, const CooView& view,
+                            int32_t* skip) {
+  const StatusWord& status = Status();
+  if (status.words == nullptr) {
+    return CudaError(status.error, "cudaHostAlloc (status word)");
+  }
+  PZSC_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(skip, 0, sizeof(int32_t), stream));
+  if (view.attrs.num_segments == 0 || view.attrs.num_partitions < 2) {
+    return ffi::Error::Success();
+  }
+  PzscCheckKernel<<<1, 1024, 0, stream>>>(
+      view.row_pointers, view.attrs.num_segments, view.rp_stride,
+      view.attrs.num_partitions, view.seg_len, skip, status.words);
+  PZSC_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return ffi::Error::Success();
+}
+
+// A 4-byte skip word from XLA's scratch allocator.
+ffi::Error AllocateSkip(ffi::ScratchAllocator& allocator, int32_t** skip) {
+  std::optional<void*> p = allocator.Allocate(sizeof(int32_t), 16);
+  if (!p.has_value() || *p == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "could not allocate the row-pointer check's flag");
+  }
+  *skip = static_cast<int32_t*>(*p);
+  return ffi::Error::Success();
 }
 
 // Positions are int32 in the backward's scratch.
@@ -448,7 +596,22 @@ int Blocks(int64_t threads) {
                                                                  : blocks));
 }
 
-ffi::Error ForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer row_pointers,
+// Blocks for `threads` threads capped at a grid that fills the current
+// device once (kBlocksPerSm per multiprocessor); kernels loop over the
+// rest.
+int ResidentBlocks(int64_t threads) {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) !=
+          cudaSuccess ||
+      sms <= 0) {
+    sms = 132;  // An H100's; only the grid's size depends on it.
+  }
+  return std::min(Blocks(threads), kBlocksPerSm * sms);
+}
+
+ffi::Error ForwardCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                           ffi::AnyBuffer row_pointers,
                            ffi::AnyBuffer embedding_ids,
                            ffi::AnyBuffer sample_ids, ffi::AnyBuffer gains,
                            ffi::AnyBuffer table,
@@ -465,8 +628,13 @@ ffi::Error ForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer row_pointers,
     return err;
   }
   if (auto err = CheckQuantization(quantization); err.failure()) return err;
-  if (auto err = CheckRowPointers(stream, view); err.failure()) return err;
+  if (auto err = CheckPositions(view); err.failure()) return err;
   if (out->size_bytes() == 0) return ffi::Error::Success();
+  int32_t* skip = nullptr;
+  if (auto err = AllocateSkip(scratch, &skip); err.failure()) return err;
+  if (auto err = CheckRowPointers(stream, view, skip); err.failure()) {
+    return err;
+  }
   PZSC_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream));
   const DeviceLayout l = MakeDeviceLayout(view);
@@ -483,14 +651,15 @@ ffi::Error ForwardCudaImpl(cudaStream_t stream, ffi::AnyBuffer row_pointers,
     lanes *= 2;
     ++lane_shift;
   }
-  const int64_t runs = (l.num_positions + kForwardRun - 1) / kForwardRun;
-  const int blocks = Blocks(runs * lanes);
+  // One warp per tile of kTile positions.
+  const int64_t tiles = (l.num_positions + kTile - 1) / kTile;
+  const int blocks = ResidentBlocks(tiles * kWarpSize);
   if (vec4) {
     PzscForwardKernel<true><<<blocks, kThreadsPerBlock, 0, stream>>>(
-        l, lane_shift, t, o, quantization);
+        l, lane_shift, t, o, quantization, skip);
   } else {
     PzscForwardKernel<false><<<blocks, kThreadsPerBlock, 0, stream>>>(
-        l, lane_shift, t, o, quantization);
+        l, lane_shift, t, o, quantization, skip);
   }
   PZSC_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return ffi::Error::Success();
@@ -582,16 +751,19 @@ ffi::Error AllocateScratch(ffi::ScratchAllocator& allocator, int64_t n,
 // row once (see the top of the file).
 template <Optimizer kOpt, typename Key>
 ffi::Error RunBackward(cudaStream_t stream, const Scratch<Key>& s,
-                       UpdateArgs args, Key rows, int bits) {
+                       const int32_t* skip, UpdateArgs args, Key rows,
+                       int bits) {
   const int64_t n = args.l.num_positions;
   args.sorted = s.sorted;
   PzscKeysKernel<Key><<<Blocks(n), kThreadsPerBlock, 0, stream>>>(
-      args.l, rows, s.keys, s.positions);
+      args.l, rows, s.keys, s.positions, skip);
   PZSC_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   size_t bytes = s.cub_bytes;
+  // n < 2^31 (CheckPositions): CUB's item counts are int.
+  const int items = static_cast<int>(n);
   PZSC_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
-      s.cub, bytes, s.keys, s.sorted_keys, s.positions, s.sorted, n, 0, bits,
-      stream));
+      s.cub, bytes, s.keys, s.sorted_keys, s.positions, s.sorted, items, 0,
+      bits, stream));
   // Lengths past the run count are read by the scan: zero them.
   PZSC_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(s.run_lengths, 0, n * sizeof(int32_t), stream));
@@ -599,22 +771,22 @@ ffi::Error RunBackward(cudaStream_t stream, const Scratch<Key>& s,
       s.counters, 0, kNumCounters * sizeof(int32_t), stream));
   bytes = s.cub_bytes;
   PZSC_CUDA_RETURN_IF_ERROR(cub::DeviceRunLengthEncode::Encode(
-      s.cub, bytes, s.sorted_keys, s.run_keys, s.run_lengths, s.counters, n,
-      stream));
+      s.cub, bytes, s.sorted_keys, s.run_keys, s.run_lengths, s.counters,
+      items, stream));
   bytes = s.cub_bytes;
   PZSC_CUDA_RETURN_IF_ERROR(cub::DeviceScan::ExclusiveSum(
-      s.cub, bytes, s.run_lengths, s.run_offsets, n, stream));
+      s.cub, bytes, s.run_lengths, s.run_offsets, items, stream));
   PzscUpdateKernel<kOpt, Key>
-      <<<Blocks(n * kWarpSize), kThreadsPerBlock, 0, stream>>>(
+      <<<ResidentBlocks(n * kWarpSize), kThreadsPerBlock, 0, stream>>>(
           args, rows, s.run_keys, s.run_offsets, s.run_lengths, s.counters,
           s.chunk_begin, s.chunk_end, s.long_runs);
   PZSC_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  PzscChunkKernel<<<Blocks(MaxChunks(n) * kWarpSize), kThreadsPerBlock, 0,
+  PzscChunkKernel<<<ResidentBlocks(MaxChunks(n) * kWarpSize), kThreadsPerBlock, 0,
                     stream>>>(args, s.counters, s.chunk_begin, s.chunk_end,
                               s.partial);
   PZSC_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   PzscFinishKernel<kOpt, Key>
-      <<<Blocks(MaxLongRuns(n) * kWarpSize), kThreadsPerBlock, 0, stream>>>(
+      <<<ResidentBlocks(MaxLongRuns(n) * kWarpSize), kThreadsPerBlock, 0, stream>>>(
           args, s.run_keys, s.run_lengths, s.counters, s.long_runs,
           s.partial);
   PZSC_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -652,7 +824,8 @@ ffi::Error GradCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
     return err;
   }
   if (auto err = CheckPositions(view); err.failure()) return err;
-  if (auto err = CheckRowPointers(stream, view); err.failure()) return err;
+  int32_t* skip = nullptr;
+  if (auto err = AllocateSkip(scratch, &skip); err.failure()) return err;
   const DeviceLayout l = MakeDeviceLayout(view);
   const bool work = view.dim > 0 && l.num_positions > 0;
   const uint64_t rows =
@@ -668,7 +841,11 @@ ffi::Error GradCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
     if (err.failure()) return err;
   }
 
-  // Nothing is written before this point.
+  // Nothing is written before this point; the check runs first in the
+  // stream (on a decrease, the later kernels do nothing).
+  if (auto err = CheckRowPointers(stream, view, skip); err.failure()) {
+    return err;
+  }
   auto copy = [&](const ffi::AnyBuffer& from, ffi::AnyBuffer& to) {
     if (from.size_bytes() == 0 || from.untyped_data() == to.untyped_data()) {
       return cudaSuccess;
@@ -696,16 +873,19 @@ ffi::Error GradCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
   args.clip = clip;
   args.clip_min = clip_min;
   args.clip_max = clip_max;
-  return narrow ? RunBackward<kOpt, uint32_t>(stream, s32, args,
+  return narrow ? RunBackward<kOpt, uint32_t>(stream, s32, skip, args,
                                                static_cast<uint32_t>(rows), bits)
-                : RunBackward<kOpt, uint64_t>(stream, s64, args, rows, bits);
+                : RunBackward<kOpt, uint64_t>(stream, s64, skip, args, rows,
+                                              bits);
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SparseDenseMatmulCuda, ForwardCudaImpl,
-    BindCooOperands(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+    BindCooOperands(ffi::Ffi::Bind()
+                        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                        .Ctx<ffi::ScratchAllocator>())
         .Ret<ffi::AnyBuffer>()  // out
         .Attr<LayoutAttrs>("layout")
         .Attr<Quantization>("quantization"));
@@ -723,5 +903,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 PZSC_OPTIMIZERS(PZSC_DEFINE_CUDA_GRAD_HANDLER)
 
 #undef PZSC_DEFINE_CUDA_GRAD_HANDLER
+
+int TakeCudaStatus(int64_t* out) {
+  const StatusWord& status = Status();
+  if (status.words == nullptr) return 0;
+  volatile int64_t* w = status.words;
+  const int64_t code = w[0];
+  if (code == 0) return 0;
+  for (int i = 0; i < kStatusWords; ++i) out[i] = w[i];
+  w[0] = 0;
+  return kStatusWords;
+}
 
 }  // namespace pzsc

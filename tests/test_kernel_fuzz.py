@@ -228,6 +228,14 @@ def _assert_same(got, want, name: str = "") -> None:
   )
 
 
+def refused(result) -> None:
+  """Waits for a call under ``jit`` and raises its refusal: the CPU handler's
+  error (at dispatch or when ready), or the one a CUDA handler recorded on
+  the device (``kernels.raise_device_errors``)."""
+  jax.block_until_ready(result)
+  kernels.raise_device_errors()
+
+
 def check_forward(case: Case) -> None:
   table = jnp.asarray(_table(case.layout, case.seed))
   run = functools.partial(_forward, *case.buffers(), table, layout=case.layout)
@@ -235,7 +243,7 @@ def check_forward(case: Case) -> None:
     with pytest.raises(
       KERNEL_ERRORS, match="row_pointers of segment .* decrease"
     ):
-      jax.block_until_ready(run(impl="ffi"))
+      refused(run(impl="ffi"))
     return
   _assert_same(run(impl="ffi"), run(impl="reference"))
 
@@ -259,7 +267,7 @@ def check_backward(case: Case, opt: str, hp, mlr: bool, clip) -> None:
     with pytest.raises(
       KERNEL_ERRORS, match="row_pointers of segment .* decrease"
     ):
-      jax.block_until_ready(run(impl="ffi"))
+      refused(run(impl="ffi"))
     return
   got, want = run(impl="ffi"), run(impl="reference")
   names = ("table",) + optimizers.REGISTRY[opt].slot_names
@@ -379,7 +387,7 @@ def test_refused_call_changes_nothing_and_next_call_works():
 
   state = (jnp.asarray(table), tuple(jnp.asarray(s) for s in slots))
   with pytest.raises(KERNEL_ERRORS, match="segment 0 decrease: partition 2"):
-    jax.block_until_ready(step(bad.buffers(), *state))
+    refused(step(bad.buffers(), *state))
   for got, old in zip((state[0], *state[1]), (table, *slots), strict=True):
     if not got.is_deleted():
       np.testing.assert_array_equal(got, old)

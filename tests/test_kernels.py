@@ -847,3 +847,41 @@ def test_reference_fallback_on_a_platform_warns_once(monkeypatch):
   with warnings.catch_warnings():
     warnings.simplefilter("error", kernels.KernelFallbackWarning)
     jax.export.export(step, platforms=("cuda",))(*args, hyperparameters=hp)
+
+
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+def test_f2a_keeps_a_nan_local_step(impl):
+  """F2A's min(ratio^rho, max_multiplier) keeps NaN (jnp.minimum's rule), so
+  a NaN step count poisons exactly its own elements, as in numpy."""
+  buf = make_buffers(31, num_segments=1, num_partitions=2)
+  table = _table(buf, 4, seed=8)
+  acc, local = _slots("f2a", table, 9)
+  rpp = buf.rows_per_partition
+  rows = sorted({p * rpp + r for _, p, r, _, _ in buf.entries})
+  local[rows[0], 1] = np.nan
+  act = np.random.default_rng(10).normal(
+    size=(buf.num_segments * buf.samples_per_segment, 4)
+  )
+  act = act.astype(np.float32)
+  lr, rho, l1, l2, max_mult, step = HYPERPARAMETERS["f2a"]
+  new_table, (new_acc, new_local) = _grad_call(
+    buf,
+    act,
+    table,
+    (acc, local),
+    "f2a",
+    HYPERPARAMETERS["f2a"],
+    impl,
+    **buf.layout(),
+  )
+  g = row_grads(buf, act, table.shape[0])[rows[0]].astype(np.float32)
+  n = local[rows[0]] + np.float32(1)
+  mult = np.minimum((np.maximum(step, 1.0) / n) ** rho, max_mult)
+  a = acc[rows[0]] + g * g
+  w = table[rows[0]]
+  want = w - lr * (mult * g / np.sqrt(a) + l1 * np.sign(w) + l2 * w)
+  got = np.asarray(new_table)[rows[0]]
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+  assert np.isnan(got[1]) and np.isfinite(np.delete(got, 1)).all()
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+  assert np.isnan(np.asarray(new_local)[rows[0], 1])

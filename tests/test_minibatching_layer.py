@@ -159,7 +159,13 @@ def test_guarded_minibatched_step_refuses_then_trains():
   """Gradients whose squares overflow Adam's velocity: the guarded trainer
   refuses the step with every minibatch's rows restored, then trains on
   sane gradients as an unguarded trainer does."""
-  model = _model(2, 2)
+  check_guarded_minibatched_step(2, 2, LIMIT)
+
+
+def check_guarded_minibatched_step(g: int, s: int, limit: int) -> None:
+  """The body of the test above on ``g`` devices x ``s`` SparseCores
+  (test_gpu.py runs it on one GPU)."""
+  model = _model(g, s, limit=limit)
   trainer = SparseCoreTrainer.build(
     jax.random.key(0), model, optax.sgd(0.1), loss_fn, check_finite=True
   )
@@ -173,7 +179,9 @@ def test_guarded_minibatched_step_refuses_then_trains():
     trainer.step(inputs=inputs, grads=huge)
   assert_same_snapshot(snapshot(trainer.model.embed), before)
   # The next action: a sane step, equal to an unguarded trainer's.
-  assert_next_step_as_unguarded(trainer, _model(2, 2), inputs, grads, before)
+  assert_next_step_as_unguarded(
+    trainer, _model(g, s, limit=limit), inputs, grads, before
+  )
 
 
 def _with(inputs, stack: str, field: str, index: int, value):

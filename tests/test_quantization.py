@@ -191,3 +191,29 @@ def test_layer_reads_quantized_rows_and_updates_float_tables(exchange):
         want[i] -= lr * g[sample]
     # The float32 table gets the plain gradient step, not a quantized one.
     np.testing.assert_allclose(after[table_name], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["ffi", "reference"])
+def test_nan_in_a_quantized_table_reaches_the_output(impl):
+  """A diverged table shows through a quantized lookup (jnp.clip keeps NaN),
+  so a finiteness check sees it; the other columns still read their
+  levels."""
+  buf = make_buffers(22, num_segments=1, num_partitions=2)
+  table = _table(buf, 4, seed=5)
+  rpp = buf.rows_per_partition
+  rows = sorted({p * rpp + r for _, p, r, _, _ in buf.entries})
+  table[rows[0]] = [np.nan, 0.3, 1.0, -2.0]
+  table[rows[-1], 2] = np.nan
+  want = dense_forward(buf, np_quantize(table, CONFIG))
+  got = np.asarray(
+    jax.jit(
+      lambda *a: kernels.sparse_dense_matmul(
+        *a, quantization=CONFIG.as_tuple(), implementation=impl, **buf.layout()
+      )
+    )(*buf.args(), jnp.asarray(table))
+  )
+  assert np.isnan(want).any() and np.isfinite(want).any()
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
+  # The row of the example: NaN stays NaN, the rest is clipped and rounded.
+  assert np.isnan(np_quantize(np.float32([np.nan]), CONFIG)[0])

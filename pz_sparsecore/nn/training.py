@@ -63,6 +63,7 @@ from penzai import pz
 
 from pz_sparsecore.device import guard as guard_lib
 from pz_sparsecore.device import routing
+from pz_sparsecore.device.kernels import ffi
 from pz_sparsecore.host.pipeline import prefetch
 from pz_sparsecore.host.preprocess import PreprocessedInput
 from pz_sparsecore.nn.embed import (
@@ -627,7 +628,11 @@ class SparseCoreTrainer(pz.Struct):
         is not finite; the variables are then unchanged (the step counter
         still advances).
       ValueError: If an input buffer fails `SparseCoreEmbed.validate` (on
-        the steps `validate_inputs` selects); nothing is changed.
+        the steps `validate_inputs` selects); nothing is changed. Also, on
+        a GPU, once a refused kernel call of this or an earlier step has
+        run (row pointers whose partition starts decrease: that call
+        changed nothing; `check_finite` waits for the step, so its own
+        refusals are raised by the same call).
     """
     grouping = self.grouping or _Grouping()
     if self.validate_inputs is True or (
@@ -674,6 +679,7 @@ class SparseCoreTrainer(pz.Struct):
           f"step {step}: non-finite loss, gradient or updated rows in "
           f"{', '.join(sorted(bad))}; the update was skipped"
         )
+    ffi.raise_device_errors()
     return aux
 
   def fit(

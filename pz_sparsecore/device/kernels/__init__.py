@@ -14,7 +14,9 @@ outside ``[0, samples_per_segment)`` are skipped, ends are clamped to the
 segment, ids need not be sorted (the C++ backward sorts a copy of a slice
 that is not), and NaN or infinite gains propagate into the rows they touch,
 as in the reference. Row pointers whose partition starts decrease (so that
-partitions would overlap) make the C++ handlers raise.
+partitions would overlap) make the CPU handlers raise; the CUDA handlers
+change nothing and record the error on the device, without a host
+synchronisation (:func:`raise_device_errors`).
 
 Example, one segment, two partitions of 4 rows, two samples::
 
@@ -49,6 +51,7 @@ from pz_sparsecore.device.kernels.backend import BackendInfo, backend_info
 from pz_sparsecore.device.kernels.ffi import (
   ExtensionMismatchError,
   KernelFallbackWarning,
+  raise_device_errors,
 )
 from pz_sparsecore.device.kernels.ffi import available as ffi_available
 from pz_sparsecore.device.kernels.ops import (
@@ -62,6 +65,7 @@ __all__ = [
   "KernelFallbackWarning",
   "backend_info",
   "ffi_available",
+  "raise_device_errors",
   "reference",
   "sparse_dense_matmul",
   "sparse_dense_matmul_grad",

@@ -263,6 +263,55 @@ def require_compatible() -> None:
     raise ExtensionMismatchError(EXTENSION.error)
 
 
+#: ``take_cuda_status``'s error code for row pointers that decrease.
+_STATUS_ROW_POINTERS = 1
+
+
+def take_device_error() -> str | None:
+  """The first error the CUDA handlers recorded on the device, cleared.
+
+  The CUDA handlers check the row pointers on the device, without a host
+  synchronisation: a call whose partition starts decrease does nothing (its
+  output is zero, the table and slots unchanged) and records the error in
+  pinned host memory. This reads it as the calls that completed left it
+  (wait for a call's results first to include it).
+
+  Returns:
+    The error, in the words of the CPU handlers' error, or None.
+  """
+  module = EXTENSION.module
+  take = getattr(module, "take_cuda_status", None)
+  status = take() if take is not None else None
+  if status is None:
+    return None
+  code, segment, partition, start, pointer, begin = status
+  if code != _STATUS_ROW_POINTERS:
+    return f"CUDA handler error code {code}"
+  return (
+    f"row_pointers of segment {segment} decrease: partition "
+    f"{partition + 1} would start at {start} (rp[{partition}] = {pointer}), "
+    f"before partition {partition} (start {begin}); that call changed "
+    "nothing"
+  )
+
+
+def raise_device_errors() -> None:
+  """Raises the error the CUDA handlers recorded on the device, if any.
+
+  Reads pinned host memory: no synchronisation. An error is recorded once a
+  refused call has run on the GPU, so call this after the results of the
+  calls to check are ready (``jax.block_until_ready``).
+  ``SparseCoreTrainer.step`` calls it after every step, and the kernels'
+  eager calls after their results are ready.
+
+  Raises:
+    ValueError: Naming the segment and partition whose start decreases.
+  """
+  error = take_device_error()
+  if error is not None:
+    raise ValueError(f"pz_sparsecore CUDA handler refused a call: {error}")
+
+
 def _shape_attrs(
   shape: contract.BufferShape,
 ) -> dict[str, dict[str, np.int64]]:

@@ -77,6 +77,18 @@ def _as_matrices(fn, dim: int):
   return wrapped
 
 
+def _raise_device_errors_if_eager(result):
+  """After an eager call on a GPU: waits for ``result``, then raises the
+  error the CUDA handlers recorded (``ffi.raise_device_errors``). Under a
+  trace, returns at once (the caller reads its results later)."""
+  leaves = jax.tree.leaves(result)
+  if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    return
+  if any(d.platform == "gpu" for x in leaves for d in x.devices()):
+    jax.block_until_ready(result)
+    ffi.raise_device_errors()
+
+
 def sparse_dense_matmul(
   row_pointers: jax.Array,
   embedding_ids: jax.Array,
@@ -130,10 +142,13 @@ def sparse_dense_matmul(
       ABI version or other optimizers and ``implementation`` is not
       ``"reference"``.
 
-  The FFI handler fails at run time with XLA's INVALID_ARGUMENT error (a
+  The CPU handler fails at run time with XLA's INVALID_ARGUMENT error (a
   ``ValueError``, or ``jax.errors.JaxRuntimeError`` when it surfaces after
-  dispatch) if the row pointers make partition starts decrease; the
-  reference does not check them.
+  dispatch) if the row pointers make partition starts decrease; the CUDA
+  handler then returns zeros and records the error on the device, raised as
+  a ``ValueError`` by an eager call once its result is ready, and by
+  ``pz_sparsecore.device.kernels.raise_device_errors`` (see there) under
+  ``jit``. The reference does not check them.
   """
   dispatch.check_implementation(implementation)
   shape = contract.check_buffers(
@@ -156,7 +171,9 @@ def sparse_dense_matmul(
       *a[:4], a[4].reshape(-1, shape.dim), shape, quantization
     ),
   )
-  return fn(row_pointers, embedding_ids, sample_ids, gains, table)
+  out = fn(row_pointers, embedding_ids, sample_ids, gains, table)
+  _raise_device_errors_if_eager(out)
+  return out
 
 
 def sparse_dense_matmul_grad(
@@ -233,10 +250,12 @@ def sparse_dense_matmul_grad(
       ABI version or other optimizers and ``implementation`` is not
       ``"reference"``.
 
-  The FFI handler fails at run time with XLA's INVALID_ARGUMENT error (a
+  The CPU handler fails at run time with XLA's INVALID_ARGUMENT error (a
   ``ValueError``, or ``jax.errors.JaxRuntimeError`` when it surfaces after
   dispatch), before writing anything, if the row pointers make partition
-  starts decrease; the reference does not check them.
+  starts decrease; the CUDA handler then changes nothing and records the
+  error on the device (raised as in :func:`sparse_dense_matmul`). The
+  reference does not check them.
   """
   dispatch.check_implementation(implementation)
   shape = contract.check_buffers(
@@ -281,4 +300,5 @@ def sparse_dense_matmul_grad(
     hyperparameters,
     *slots,
   )
+  _raise_device_errors_if_eager((new_table, new_slots))
   return new_table, tuple(new_slots)
