@@ -94,6 +94,7 @@ _EXPORTS = {
   "SparseCoreTrainer": "nn.training",
   "variable_jit": "nn.jit",
   "NonFiniteUpdateError": "nn.training",
+  "NonFiniteInputError": "nn.training",
   "save_checkpoint": "nn.checkpoint",
   "restore_checkpoint": "nn.checkpoint",
   "logical_tables": "nn.tables",

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,7 @@ from pz_sparsecore.core import layout, specs
 from pz_sparsecore.device.routing import TableGradientError
 from pz_sparsecore.nn.embed import SparseCoreEmbed
 from pz_sparsecore.nn.training import (
+  NonFiniteInputError,
   NonFiniteUpdateError,
   SparseCoreTrainer,
 )
@@ -761,3 +764,154 @@ def assert_next_step_as_unguarded(trainer, model, inputs, grads, before):
   for name in ours[0]:
     np.testing.assert_allclose(ours[0][name], theirs[0][name], rtol=1e-6)
     assert not np.array_equal(ours[0][name], before[0][name])
+
+
+def test_trainer_compiles_once_then_once_more_after_a_limits_refresh(caplog):
+  """Five steps, one compilation (the step counter, optax's state and the
+  dense parameters come back placed as they went in); an FDO limits refresh
+  changes the buffer shapes: one more; five more steps, no more."""
+  model = build_model(8, 1)
+  trainer = SparseCoreTrainer.build(
+    jax.random.key(1), model, optax.adam(0.01), loss_fn
+  )
+  grads = {k: jnp.asarray(v) for k, v in act_grads(3).items()}
+
+  def compiles(trainer, seed):
+    caplog.clear()
+    stats = None
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+      for step in range(5):
+        batch = make_batch(seed + step)
+        inputs, stats = trainer.model.embed.preprocess(*batch)
+        trainer.step(inputs=inputs, grads=grads)
+    records = [r.getMessage() for r in caplog.records]
+    return sum(
+      m.startswith("Compiling jit(_trainer_step)") for m in records
+    ), stats
+
+  count, stats = compiles(trainer, 200)
+  assert count == 1
+  trainer = pzsc.update_limits(trainer, stats, headroom=2.0)
+  count, _ = compiles(trainer, 300)
+  assert count == 1
+  count, _ = compiles(trainer, 400)
+  assert count == 0
+  assert int(trainer.state.value.step) == 15
+
+
+def _busy_processes(n: int) -> list[subprocess.Popen]:
+  return [
+    subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    for _ in range(n)
+  ]
+
+
+def test_unblocked_loop_beside_busy_processes_keeps_two_steps_in_flight():
+  """A plain loop of `step` on 8 CPU devices (collectives every step)
+  beside two busy processes: `step` never returns with more than
+  `max_steps_in_flight` steps unfinished, every earlier one is done, and
+  the loop ends with the right step count (an unbounded backlog can make
+  XLA's CPU collectives abort the process)."""
+  model = build_model(8, 1, exchange="activations")
+  trainer = SparseCoreTrainer.build(
+    jax.random.key(1), model, optax.sgd(DENSE_LR), loss_fn
+  )
+  assert trainer.max_steps_in_flight == 2
+  grads = {k: jnp.asarray(v) for k, v in act_grads(4).items()}
+  embed = trainer.model.embed
+  batches = [embed.preprocess(*make_batch(s))[0] for s in range(4)]
+  busy = _busy_processes(2)
+  try:
+    markers = []
+    for step in range(60):
+      trainer.step(inputs=batches[step % 4], grads=grads)
+      in_flight = [marker for marker, _ in trainer.grouping.in_flight]
+      assert len(in_flight) <= 2
+      markers.extend(m for m in in_flight if all(m is not x for x in markers))
+      waited = [m for m in markers if all(m is not x for x in in_flight)]
+      assert all(m.is_ready() for m in waited)
+  finally:
+    for p in busy:
+      p.kill()
+      p.wait()
+  assert int(trainer.state.value.step) == 60
+  with pytest.raises(ValueError, match="max_steps_in_flight"):
+    SparseCoreTrainer.build(
+      jax.random.key(1), model, optax.sgd(0.1), loss_fn, max_steps_in_flight=0
+    )
+
+
+def test_non_finite_input_is_named_first_and_the_step_skipped():
+  """check_finite: a NaN in a float input is named as the first non-finite
+  value in data-flow order (before the loss and the gradients it causes);
+  nothing changes; the next step with finite inputs trains."""
+  model = build_model(1, 1, tables=SMALL)
+  trainer = SparseCoreTrainer.build(
+    jax.random.key(1), model, optax.sgd(DENSE_LR), loss_fn, check_finite=True
+  )
+  grads = {k: jnp.asarray(v) for k, v in act_grads(3, SMALL).items()}
+  bad = dict(grads, f_adam=grads["f_adam"].at[2, 1].set(jnp.nan))
+  inputs, _ = trainer.model.embed.preprocess(*make_batch(7, SMALL))
+  before = snapshot(trainer.model.embed)
+  with pytest.raises(
+    NonFiniteUpdateError,
+    match=r"step 0: the first non-finite value, in data-flow order .* is "
+    r"input \['grads'\]\['f_adam'\] \(also non-finite: .*emb/adam",
+  ):
+    trainer.step(inputs=inputs, grads=bad)
+  assert_same_snapshot(snapshot(trainer.model.embed), before)
+  aux = trainer.step(inputs=inputs, grads=grads)
+  assert np.isfinite(float(aux["loss"]))
+  after = snapshot(trainer.model.embed)
+  assert not np.array_equal(after[0]["adam"], before[0]["adam"])
+
+
+def test_default_guard_names_a_non_finite_input_when_its_step_is_waited_for():
+  """Without check_finite nothing waits for a step to finish: the step with
+  a NaN input is reported (NonFiniteInputError, naming it and the input)
+  by the call that waits for it, two steps later, or by `wait`."""
+  model = build_model(1, 1, tables=SMALL)
+  trainer = SparseCoreTrainer.build(
+    jax.random.key(1), model, optax.sgd(DENSE_LR), loss_fn
+  )
+  grads = {k: jnp.asarray(v) for k, v in act_grads(3, SMALL).items()}
+  bad = dict(grads, f_ftrl=grads["f_ftrl"].at[0, 0].set(jnp.inf))
+  inputs, _ = trainer.model.embed.preprocess(*make_batch(8, SMALL))
+  trainer.step(inputs=inputs, grads=grads)  # step 0
+  trainer.step(inputs=inputs, grads=bad)  # step 1
+  trainer.step(inputs=inputs, grads=grads)  # step 2
+  with pytest.raises(
+    NonFiniteInputError, match=r"step 1: .*input \['grads'\]\['f_ftrl'\]"
+  ):
+    trainer.step(inputs=inputs, grads=grads)  # step 3 waits for step 1
+  trainer.wait()  # Steps 2 and 3 had finite inputs.
+  assert int(trainer.state.value.step) == 4
+  # The same through `wait` when the bad step is the last one.
+  trainer.step(inputs=inputs, grads=bad)
+  with pytest.raises(NonFiniteInputError, match="step 4"):
+    trainer.wait()
+
+
+def test_limits_from_another_topology_are_refused_naming_both():
+  """Statistics measured on 8 devices x 1 SparseCore applied to a layer on
+  4 x 1, or on 4 x 2 (as many partitions, other SparseCores): refused,
+  naming both; the next action, statistics measured on the layer's own
+  topology, applies."""
+  _, stats8 = build_model(8, 1).embed.preprocess(*make_batch(1))
+  for g, s in ((4, 1), (4, 2)):
+    model = build_model(g, s)
+    with pytest.raises(
+      ValueError,
+      match=rf"measured on 8 devices x 1 SparseCores .* this layer runs on "
+      rf"{g} devices x {s} SparseCores",
+    ):
+      pzsc.update_limits(model, stats8)
+  # The next action (on 4 x 2): its own statistics apply, and it trains.
+  _, own = model.embed.preprocess(*make_batch(1))
+  refreshed = pzsc.update_limits(model, own, headroom=2.0)
+  trainer = SparseCoreTrainer.build(
+    jax.random.key(1), refreshed, optax.sgd(DENSE_LR), loss_fn
+  )
+  inputs, _ = refreshed.embed.preprocess(*make_batch(2))
+  grads = {k: jnp.asarray(v) for k, v in act_grads(2).items()}
+  assert np.isfinite(float(trainer.step(inputs=inputs, grads=grads)["loss"]))

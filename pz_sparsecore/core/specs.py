@@ -756,8 +756,11 @@ class FeatureSpec:
     name: Unique feature name.
     table_spec: The table it looks up.
     input_shape: `[global_batch, valency]` (informative only).
-    output_shape: `[*sample_dims, embedding_dim]`; `prod(output_shape[:-1])`
-      is the feature's global sample count.
+    output_shape: `[*sample_dims, width]`; `prod(output_shape[:-1])` is the
+      feature's global sample count. `width` is at most the table's
+      `embedding_dim`: a narrower feature gets the first `width` columns of
+      each row, as in jax-tpu-embedding (its activations are sliced;
+      gradients reach those columns only). A wider one is an error.
     id_transformation: Filled by stacking / preparation.
   """
 

@@ -22,6 +22,7 @@ from pz_sparsecore.nn.tables import (
 )
 from pz_sparsecore.nn.ties import TiedTableError, check_untied
 from pz_sparsecore.nn.training import (
+  NonFiniteInputError,
   NonFiniteUpdateError,
   SparseCoreTrainer,
   SparseCoreTrainerState,
@@ -31,6 +32,7 @@ __all__ = [
   "ActivationProbe",
   "EmbedConfig",
   "LookupConfig",
+  "NonFiniteInputError",
   "NonFiniteUpdateError",
   "SparseCoreEmbed",
   "SparseCoreLookup",

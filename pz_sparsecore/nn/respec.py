@@ -28,6 +28,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 from penzai import pz
 
 from pz_sparsecore.core import layout
@@ -83,6 +84,51 @@ def with_feature_specs(
   return dataclasses.replace(embed, config=config)
 
 
+def check_stats_topology(
+  stats: SparseDenseMatmulInputStats, num_devices: int, num_sc_per_device: int
+) -> None:
+  """Raises unless `stats` were measured on `num_devices` devices x
+  `num_sc_per_device` SparseCores.
+
+  The statistics carry their topology in their sizes: per stack, one
+  per-partition value for each of the `N` partitions from each local device
+  (`max_ids_per_partition`: `L * N`) and one buffer size per local
+  SparseCore (`required_buffer_size_per_sc`: `L * S`), so the first over
+  the second is the global device count `N / S`, and each local device's
+  row of the first holds `N` values. Limits measured on another topology
+  describe other partitions: applying them could reject the next batch, or
+  waste memory, without saying why.
+
+  Raises:
+    ValueError: Naming the stack, both topologies and the sizes seen.
+  """
+  shards = num_devices * num_sc_per_device
+  for stack, per_partition in stats.max_ids_per_partition.items():
+    per_sc = stats.required_buffer_size_per_sc.get(stack, ())
+    n = int(np.shape(per_partition)[-1]) if np.ndim(per_partition) else 0
+    m = int(np.shape(per_sc)[-1]) if np.ndim(per_sc) else 0
+    if n == 0 or m == 0:
+      continue
+    if n % shards == 0 and m * num_devices == n:
+      continue
+    devices = n // m if n % m == 0 else None
+    measured = (
+      f"{devices} devices x {m // devices} SparseCores (if measured in one "
+      "process)"
+      if devices and m % devices == 0
+      else "another topology"
+    )
+    raise ValueError(
+      f"FDO statistics of stack {stack!r} were measured on {measured}: "
+      f"{n} per-partition values and {m} per-SparseCore buffer sizes; this "
+      f"layer runs on {num_devices} devices x {num_sc_per_device} "
+      f"SparseCores ({shards} partitions, so {num_devices} x {shards} and "
+      f"{num_devices} x {num_sc_per_device} values from one process). "
+      "Measure statistics on this topology (preprocess a few batches with "
+      "the layer and record their stats) instead of applying these."
+    )
+
+
 def update_limits(
   target: Any, stats: SparseDenseMatmulInputStats, *, headroom: float = 1.0
 ) -> Any:
@@ -105,13 +151,16 @@ def update_limits(
     The same kind of object with re-specified layers.
 
   Raises:
-    ValueError: If `target` holds no `SparseCoreEmbed`.
+    ValueError: If `target` holds no `SparseCoreEmbed`, or `stats` were
+      measured on another topology than a layer's
+      (`check_stats_topology`); nothing is changed.
   """
   if headroom != 1.0:
     stats = fdo.scale_stats(stats, headroom)
 
   def refresh(embed: SparseCoreEmbed) -> SparseCoreEmbed:
     topo = embed.config.topology
+    check_stats_topology(stats, topo.num_devices, topo.num_sc_per_device)
     specs = fdo.update_preprocessing_parameters(
       embed.config.plan.specs_tree,
       stats,

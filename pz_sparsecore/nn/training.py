@@ -51,6 +51,7 @@ the `PreprocessedInput` from its `preprocess` (passed in through `kwargs`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Mapping
@@ -80,6 +81,29 @@ from pz_sparsecore.nn.ties import check_untied
 
 class NonFiniteUpdateError(FloatingPointError):
   """A training step produced a NaN or infinity."""
+
+
+class NonFiniteInputError(NonFiniteUpdateError):
+  """A training step's input (a float array of its keyword arguments) held
+  a NaN or infinity."""
+
+
+def _input_flags(kwargs: dict[str, Any]) -> dict[str, jax.Array]:
+  """`"input <path>"` → whether that float array of `kwargs` is finite.
+
+  `PreprocessedInput`s are left out (their gains pad with NaN by design).
+  """
+  flags = {}
+  leaves, _ = jax.tree_util.tree_flatten_with_path(
+    kwargs, is_leaf=lambda x: isinstance(x, PreprocessedInput)
+  )
+  for path, leaf in leaves:
+    if isinstance(leaf, PreprocessedInput) or not hasattr(leaf, "dtype"):
+      continue
+    if jnp.issubdtype(leaf.dtype, jnp.inexact):
+      name = jax.tree_util.keystr(path).removesuffix(".data_array")
+      flags[f"input {name}"] = jnp.all(jnp.isfinite(leaf))
+  return flags
 
 
 @pz.pytree_dataclass
@@ -296,17 +320,29 @@ def _updates(
   return new_dense, opt_state, by_label, guards
 
 
+def _data_flow_rank(name: str) -> int:
+  """Where a flag of `_finite_flags` / `_undone_unless_finite` sits in the
+  step's data flow (the step's output dict comes back in sorted order)."""
+  if name.startswith("input "):
+    return 0
+  if name == "loss":
+    return 1
+  return 3 if name.endswith("(updated rows)") else 2
+
+
 def _finite_flags(
   grads: _Gradients,
   embeds: list[SparseCoreEmbed],
   dense_params: tuple[Any, ...],
   check_finite: bool,
+  kwargs: dict[str, Any],
 ) -> dict[str, jax.Array]:
-  """Name → whether the loss / a stack's / a parameter's gradient is finite.
+  """Name → whether an input / the loss / a stack's / a parameter's gradient
+  is finite, in data-flow order (the inputs first).
 
-  Without `check_finite`, only the loss.
+  Without `check_finite`, only the inputs and the loss.
   """
-  finite = {"loss": jnp.isfinite(grads.loss)}
+  finite = {**_input_flags(kwargs), "loss": jnp.isfinite(grads.loss)}
   if not check_finite:
     return finite
   for embed, probe_grads in zip(embeds, grads.probes, strict=True):
@@ -400,7 +436,9 @@ def _trainer_step(
     if inputs is not None
   ]
 
-  finite = _finite_flags(grads, embeds, dense_params, options.check_finite)
+  finite = _finite_flags(
+    grads, embeds, dense_params, options.check_finite, kwargs
+  )
   new_dense, opt_state, new, guards = _updates(
     options.optimizer_def,
     state,
@@ -432,6 +470,9 @@ def _trainer_step(
     _rebuild(slots, new),
     grads.aux,
     finite,
+    # Not donated by the next step (unlike the step counter above): what
+    # `step` waits for to bound the steps in flight.
+    jnp.asarray(state.step + 1),
   )
 
 
@@ -447,6 +488,8 @@ class _Grouping:
     self._model = None
     self._result = None
     self.inputs_checked = False
+    # A marker of each dispatched step not yet waited for, oldest first.
+    self.in_flight = collections.deque()
 
   def needs_placing(self, model: Any) -> bool:
     """Whether `model` is new here (its tables' placement unchecked)."""
@@ -514,6 +557,15 @@ class SparseCoreTrainer(pz.Struct):
       `PreprocessedInput`s in their keyword arguments with
       `SparseCoreEmbed.validate` before running (for buffers built by hand):
       `"first"` (the first step), `True` (every step) or `False`.
+    max_steps_in_flight: How many dispatched steps may be unfinished when
+      `step` returns (default 2): before returning, `step` waits for the
+      oldest beyond that. The host still prepares step k + 1 while the
+      devices run step k, but a loop never queues more: on XLA's CPU
+      devices, a backlog of steps whose collectives wait for device threads
+      held by later steps can stall the collectives until XLA aborts the
+      process (`rendezvous.cc: Termination timeout`), seen with unblocked
+      loops of 120 steps on a 2 x 4 mesh of CPU devices, more often on a
+      loaded machine. 1 waits for every step.
   """
 
   root_rng: jax.Array
@@ -535,6 +587,9 @@ class SparseCoreTrainer(pz.Struct):
   validate_inputs: bool | str = dataclasses.field(
     default="first", metadata={"pytree_node": False}
   )
+  max_steps_in_flight: int = dataclasses.field(
+    default=2, metadata={"pytree_node": False}
+  )
 
   @classmethod
   def build(
@@ -548,6 +603,7 @@ class SparseCoreTrainer(pz.Struct):
     check_finite: bool = False,
     donate: bool = True,
     validate_inputs: bool | str = "first",
+    max_steps_in_flight: int = 2,
   ) -> SparseCoreTrainer:
     """Builds a trainer for `model`.
 
@@ -563,10 +619,16 @@ class SparseCoreTrainer(pz.Struct):
       donate: Donate variables so updates happen in place.
       validate_inputs: `"first"`, `True` or `False`: which steps check
         their input buffers' contents first (see the attribute).
+      max_steps_in_flight: Steps dispatched and not yet finished that
+        `step` allows (see the attribute); at least 1.
 
     Returns:
       The trainer.
     """
+    if not isinstance(max_steps_in_flight, int) or max_steps_in_flight < 1:
+      raise ValueError(
+        f"max_steps_in_flight must be an int >= 1, got {max_steps_in_flight!r}"
+      )
     if validate_inputs not in ("first", True, False):
       raise ValueError(
         f'validate_inputs must be "first", True or False, got '
@@ -613,6 +675,7 @@ class SparseCoreTrainer(pz.Struct):
       check_finite=check_finite,
       grouping=_Grouping(),
       validate_inputs=validate_inputs,
+      max_steps_in_flight=max_steps_in_flight,
     )
 
   @property
@@ -624,9 +687,14 @@ class SparseCoreTrainer(pz.Struct):
     """Runs one training step; returns the loss function's aux output.
 
     Raises:
-      NonFiniteUpdateError: With `check_finite`, if the loss or a gradient
-        is not finite; the variables are then unchanged (the step counter
-        still advances).
+      NonFiniteUpdateError: With `check_finite`, if an input (a float array
+        of `kwargs`), the loss or a gradient is not finite, naming the first
+        in data-flow order (inputs first); the variables are then unchanged
+        (the step counter still advances).
+      NonFiniteInputError: Without `check_finite`, when an earlier step is
+        waited for (see `max_steps_in_flight`) whose float inputs were not
+        finite, naming the step and the inputs; that step and the ones
+        after it have run.
       ValueError: If an input buffer fails `SparseCoreEmbed.validate` (on
         the steps `validate_inputs` selects); nothing is changed. Also, on
         a GPU, once a refused kernel call of this or an earlier step has
@@ -647,19 +715,26 @@ class SparseCoreTrainer(pz.Struct):
     # Positional, in `_trainer_step`'s order: keyword arguments would be
     # flattened in sorted order and pair donated buffers with the wrong
     # outputs.
-    new_internal, new_dense, new_state, new_tables, new_slots, aux, finite = (
-      self.step_fn(
-        self.root_rng,
-        self.state.value,
-        stateless_model,
-        frozen["dense"],
-        frozen["frozen"],
-        frozen["state"],
-        frozen["tables"],
-        frozen["slots"],
-        self.step_options,
-        kwargs,
-      )
+    (
+      new_internal,
+      new_dense,
+      new_state,
+      new_tables,
+      new_slots,
+      aux,
+      finite,
+      done,
+    ) = self.step_fn(
+      self.root_rng,
+      self.state.value,
+      stateless_model,
+      frozen["dense"],
+      frozen["frozen"],
+      frozen["state"],
+      frozen["tables"],
+      frozen["slots"],
+      self.step_options,
+      kwargs,
     )
     for group, new in (
       ("dense", new_dense),
@@ -670,17 +745,56 @@ class SparseCoreTrainer(pz.Struct):
       for var, value in zip(groups[group], new, strict=True):
         var.update(value)
     self.state.value = new_internal
+    grouping.in_flight.append((done, finite))
     if self.check_finite:
-      bad = [k for k, ok in jax.device_get(finite).items() if not bool(ok)]
+      # Waits for this step (its flags), so for every earlier one too.
+      self._wait(len(grouping.in_flight), grouping)
+      bad = sorted(
+        (k for k, ok in jax.device_get(finite).items() if not bool(ok)),
+        key=_data_flow_rank,
+      )
       if bad:
         # The old step counter was donated; read the new one.
         step = int(new_internal.step) - 1
+        also = f" (also non-finite: {', '.join(bad[1:])})" if bad[1:] else ""
         raise NonFiniteUpdateError(
-          f"step {step}: non-finite loss, gradient or updated rows in "
-          f"{', '.join(sorted(bad))}; the update was skipped"
+          f"step {step}: the first non-finite value, in data-flow order "
+          f"(inputs, loss, gradients, updated rows), is {bad[0]}{also}; "
+          "the update was skipped"
         )
+    else:
+      self._wait(len(grouping.in_flight) - self.max_steps_in_flight, grouping)
     ffi.raise_device_errors()
     return aux
+
+  def _wait(self, count: int, grouping: _Grouping) -> None:
+    """Waits for the `count` oldest steps in flight; raises
+    `NonFiniteInputError` if one of them had a non-finite input."""
+    for _ in range(max(count, 0)):
+      done, finite = grouping.in_flight.popleft()
+      # Every device's copy: reading the value waits for one device only.
+      step = int(done.block_until_ready()) - 1
+      bad = [
+        k for k, ok in finite.items() if k.startswith("input ") and not bool(ok)
+      ]
+      if bad and not self.check_finite:
+        raise NonFiniteInputError(
+          f"step {step}: non-finite values in {', '.join(bad)}; the step "
+          "ran with them (its loss and updates are not finite: restore "
+          "the variables from before it, or build the trainer with "
+          "check_finite=True to have such steps skipped)"
+        )
+
+  def wait(self) -> None:
+    """Waits for every dispatched step (see `max_steps_in_flight`).
+
+    Raises:
+      NonFiniteInputError: As `step`, for the steps waited for.
+      ValueError: As `step`, for a refused CUDA kernel call.
+    """
+    grouping = self.grouping or _Grouping()
+    self._wait(len(grouping.in_flight), grouping)
+    ffi.raise_device_errors()
 
   def fit(
     self,
@@ -716,7 +830,8 @@ class SparseCoreTrainer(pz.Struct):
         of the original exception's type, e.g. `ValueError`.
       ValueError: If `steps` is negative or `preprocess` returns something
         other than a mapping of keyword arguments.
-      NonFiniteUpdateError: As `step`.
+      NonFiniteUpdateError: As `step` (`NonFiniteInputError` too: `fit`
+        waits for its last steps before it returns).
     """
     if steps is not None and steps < 0:
       raise ValueError(f"steps must be None or >= 0, got {steps}")
@@ -733,4 +848,5 @@ class SparseCoreTrainer(pz.Struct):
         auxes.append(self.step(**kwargs))
         if callback is not None:
           callback(i, auxes[-1])
+    self.wait()
     return auxes
