@@ -58,6 +58,7 @@ def _model(shape, mapping=MAPPING, rng=0):
     mesh,
     feature_axes={"f_seq": ("batch", "seq")},
     axis_name_to_mesh_name=mapping,
+    stacking=None,  # One stack per table: the tests name them.
   )
   mlp = pz.nn.Sequential(
     [
@@ -197,6 +198,7 @@ def test_mapping_the_embedding_axis_shards_activation_columns():
       specs,
       _mesh(shape),
       axis_name_to_mesh_name=mapping,
+      stacking=None,  # One stack per table: the tests name them.
     )
     pzsc.set_logical_tables(
       embed,
@@ -235,6 +237,7 @@ def test_tables_on_one_axis_of_two_are_replicated_on_the_other():
     _mesh((2, 4)),
     feature_axes={"f_seq": ("batch", "seq")},
     axis_name_to_mesh_name={"sc_shard": "model"},
+    stacking=None,  # One stack per table: the tests name them.
   )
   table = embed.tables["t_sum"].value.data_array
   assert embed.config.topology.num_devices == 4
@@ -245,7 +248,11 @@ def test_explicit_axes_mesh_is_refused_with_the_fix():
   explicit = jax.make_mesh((2, 4), ("data", "model"))
   with pytest.raises(ValueError, match=r"'data' \(Explicit\).*AxisType.Auto"):
     pzsc.SparseCoreEmbed.from_config(
-      "emb", jax.random.key(0), _feature_specs(8, 1), explicit
+      "emb",
+      jax.random.key(0),
+      _feature_specs(8, 1),
+      explicit,
+      stacking=None,  # One stack per table: the tests name them.
     )
   auto = jax.make_mesh(
     (2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2
@@ -256,6 +263,7 @@ def test_explicit_axes_mesh_is_refused_with_the_fix():
     _feature_specs(8, 1),
     auto,
     feature_axes={"f_seq": ("batch", "seq")},
+    stacking=None,  # One stack per table: the tests name them.
   )
   assert embed.config.topology.num_devices == 8
 

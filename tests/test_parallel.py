@@ -207,8 +207,9 @@ def test_forward_matches_dense_reference(mesh_shape, num_sc, exchange):
   for stack in embed.config.plan.stacks:
     expected = "local" if g == 1 else exchange
     assert topology.exchange_of(stack).mode == expected
-  # The stacked pair really shares one stack, with rotation.
-  assert set(embed.tables) == {"t_sum", "t_mean", "t_sqrtn", "stk", "t_seq"}
+  # The stacked pair really shares one stack, with rotation; by default the
+  # two other compatible tables (8 wide, sum, one optimizer) share one too.
+  assert set(embed.tables) == {"t_mean", "t_sqrtn", "stk", "t_seq_t_sum"}
   stack_specs = layout.get_table_specs(embed.config.plan.feature_specs)
   n = g * num_sc
   assert stack_specs["s_a"].setting_in_stack.shard_rotation == 1 % n
@@ -277,7 +278,7 @@ def test_lookup_entry_point_on_two_axis_mesh():
   np.testing.assert_allclose(acts["f_sum"], expected, rtol=1e-5, atol=1e-5)
   assert acts["f_seq"].shape == (BATCH * SEQ, 8)
   # Table shards live on the "model" axis: 4 distinct shards.
-  table = table_arrays(embed)["t_sum"]
+  table = table_arrays(embed)["t_seq_t_sum"]
   assert table.sharding.spec[0] == "model"
 
 

@@ -65,6 +65,21 @@ def get_default_limits(name: str, batch_size: int) -> int:
   return 256
 
 
+def keep_table_limits(name: str, sample_count: int) -> int:
+  """A marker to pass as `stack_to_max_ids_per_partition` and/or
+  `stack_to_max_unique_ids_per_partition` of `stack_tables` and
+  `auto_stack_tables`: a stack of several tables gets the sum of its member
+  tables' limits (each table's bound still holds for its share of a
+  partition's ids, so their sum bounds the stack's), and, with the first,
+  the sum of their suggested buffer sizes when every member has one.
+  `SparseCoreEmbed.from_config` stacks with it.
+  """
+  raise TypeError(
+    f"keep_table_limits is a marker for stack_tables / auto_stack_tables, "
+    f"not a limits function (called for {name!r}, {sample_count} samples)"
+  )
+
+
 def _feature_leaves(feature_specs: Any) -> list[FeatureSpec]:
   leaves = jax.tree.leaves(feature_specs)
   for leaf in leaves:
@@ -357,13 +372,24 @@ def _stack_limits(
   max_ids: LimitsCallable,
   max_unique: LimitsCallable,
 ) -> dict[str, Any]:
-  """A stack's limits: its table's when alone, else from the callables."""
+  """A stack's limits: its table's when alone, else from the callables (or
+  the members' sums: `keep_table_limits`)."""
   if len(members) == 1:
     return _table_limits(members[0])
-  return dict(
-    max_ids_per_partition=max_ids(stack_name, sample_count),
-    max_unique_ids_per_partition=max_unique(stack_name, sample_count),
-  )
+  limits = {}
+  for field, fn in (
+    ("max_ids_per_partition", max_ids),
+    ("max_unique_ids_per_partition", max_unique),
+  ):
+    limits[field] = (
+      sum(getattr(t, field) for t in members)
+      if fn is keep_table_limits
+      else fn(stack_name, sample_count)
+    )
+  sizes = [t.suggested_coo_buffer_size_per_device for t in members]
+  if max_ids is keep_table_limits and None not in sizes:
+    limits["suggested_coo_buffer_size_per_device"] = sum(sizes)
+  return limits
 
 
 def _table_limits(table: TableSpec) -> dict[str, Any]:
@@ -420,6 +446,41 @@ def auto_stack_tables(
     New feature specs (still to be passed to
     `prepare_feature_specs_for_training`).
   """
+  result = feature_specs
+  for stack in compatible_table_groups(
+    feature_specs,
+    global_device_count,
+    num_sc_per_device,
+    activation_mem_bytes_limit,
+  ):
+    result = stack_tables(
+      result,
+      stack,
+      global_device_count,
+      num_sc_per_device,
+      rotation=rotation,
+      stack_to_max_ids_per_partition=stack_to_max_ids_per_partition,
+      stack_to_max_unique_ids_per_partition=(
+        stack_to_max_unique_ids_per_partition
+      ),
+      stack_name=_stack_name(stack, use_short_stack_names),
+    )
+  return result
+
+
+def compatible_table_groups(
+  feature_specs: Any,
+  global_device_count: int,
+  num_sc_per_device: int,
+  activation_mem_bytes_limit: int = DEFAULT_ACTIVATION_MEM_BYTES_LIMIT,
+) -> list[list[str]]:
+  """The stacks `auto_stack_tables` forms, as lists of table names.
+
+  Unstacked tables (in first-appearance order) grouped by padded width,
+  optimizer, combiner and quantization config, each group split greedily
+  by activation memory per SparseCore (see `auto_stack_tables`). A table
+  alone in its group is a list of one.
+  """
   n = num_shards(global_device_count, num_sc_per_device)
   features = _feature_leaves(feature_specs)
   tables = _tables(feature_specs)
@@ -441,23 +502,45 @@ def auto_stack_tables(
   def mem_bytes(name: str) -> int:
     return round_up(tables[name].embedding_dim) * samples[name] * 4
 
-  result = feature_specs
   memory = {name: mem_bytes(name) for name in tables}
-  split = split_groups_by_memory_limit(
+  return split_groups_by_memory_limit(
     list(groups.values()), memory, activation_mem_bytes_limit
   )
-  for stack in split:
+
+
+def readable_stack_name(table_names: Sequence[str]) -> str:
+  """A stack's name that says what it holds: its tables joined by "_" when
+  that is short (at most 50 characters), else `"<first>_and_<k>_more"`
+  (a table belongs to one stack, so names stay distinct)."""
+  name = "_".join(table_names)
+  if len(name) <= _MAX_STACK_NAME_DISPLAY:
+    return name
+  return f"{table_names[0]}_and_{len(table_names) - 1}_more"
+
+
+def stack_compatible_tables(
+  feature_specs: Any, global_device_count: int, num_sc_per_device: int
+) -> Any:
+  """Stacks every group of compatible unstacked tables
+  (`compatible_table_groups`), keeping each table's limits
+  (`keep_table_limits`), with readable names (`readable_stack_name`);
+  tables alone in their group stay unstacked. `SparseCoreEmbed.from_config`
+  does this unless told `stacking=None`.
+  """
+  result = feature_specs
+  for group in compatible_table_groups(
+    feature_specs, global_device_count, num_sc_per_device
+  ):
+    if len(group) < 2:
+      continue
     result = stack_tables(
       result,
-      stack,
+      group,
       global_device_count,
       num_sc_per_device,
-      rotation=rotation,
-      stack_to_max_ids_per_partition=stack_to_max_ids_per_partition,
-      stack_to_max_unique_ids_per_partition=(
-        stack_to_max_unique_ids_per_partition
-      ),
-      stack_name=_stack_name(stack, use_short_stack_names),
+      stack_to_max_ids_per_partition=keep_table_limits,
+      stack_to_max_unique_ids_per_partition=keep_table_limits,
+      stack_name=readable_stack_name(group),
     )
   return result
 

@@ -152,6 +152,12 @@ def make_topology(
   )
 
 
+#: `from_config`'s stacking choices: `"auto"` stacks compatible tables
+#: (`layout.stack_compatible_tables`), None keeps one stack per table unless
+#: the specs were stacked already.
+STACKING = ("auto", None)
+
+
 def make_config(
   name: str,
   feature_specs: Any,
@@ -159,10 +165,16 @@ def make_config(
   feature_axes: Any,
   embedding_axis: str,
   axis_name_to_mesh_name: Mapping[str, Any] | None = None,
+  stacking: str | None = None,
 ) -> EmbedConfig:
-  """Prepares the specs for the topology and plans them."""
+  """Prepares the specs for the topology (stacking compatible tables first
+  if `stacking="auto"`) and plans them."""
   g, s = topology.num_devices, topology.num_sc_per_device
   layout.check_feature_names(feature_specs)
+  if stacking not in STACKING:
+    raise ValueError(f"stacking must be one of {STACKING}, got {stacking!r}")
+  if stacking == "auto":
+    feature_specs = layout.stack_compatible_tables(feature_specs, g, s)
   prepared = layout.prepare_feature_specs_for_training(feature_specs, g, s)
   for spec in jax.tree.leaves(prepared):
     if spec.output_shape[-1] > spec.table_spec.embedding_dim:
@@ -332,6 +344,7 @@ class SparseCoreEmbed(pz.nn.Layer):
     embedding_axis: str = "embedding",
     exchange: str = "auto",
     axis_name_to_mesh_name: Mapping[str, Any] | None = None,
+    stacking: str | None = "auto",
   ) -> SparseCoreEmbed:
     """Builds the layer and its (sharded) variables.
 
@@ -362,6 +375,13 @@ class SparseCoreEmbed(pz.nn.Layer):
         those other names took, the rest replicated); names the layer lacks
         are ignored. See
         `pz_sparsecore.nn.axis_mapping`.
+      stacking: `"auto"` (the default): tables not stacked yet that can
+        share a stack (same padded width, optimizer, combiner and
+        quantization config, as upstream's `auto_stack_tables`) share one,
+        one lookup and one fused update for all of them; each keeps its own
+        limits (the stack's are their sums) and the stack is named after
+        its tables (`"a_b_c"`, or `"a_and_25_more"`). None: one stack per
+        table (specs stacked by hand are kept either way).
 
     Returns:
       A new `SparseCoreEmbed`.
@@ -380,6 +400,7 @@ class SparseCoreEmbed(pz.nn.Layer):
       feature_axes,
       embedding_axis,
       axis_name_to_mesh_name,
+      stacking,
     )
     tables, slots = make_variables(config, init_base_rng)
     return cls(tables=tables, slots=slots, config=config)
