@@ -7,7 +7,7 @@ BUILD_DEPS := scikit-build-core nanobind jax==0.10.2 jaxlib==0.10.2
 SOURCES := pyproject.toml constraints.txt CMakeLists.txt $(wildcard csrc/*) \
 	pz_sparsecore/device/kernels/abi_version.h
 
-.PHONY: demo test test-asan cuda-check lint bench bench-large docs readme-figure clean
+.PHONY: demo test test-asan cuda-check lint bench bench-dlrm bench-large docs readme-figure clean
 
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -75,6 +75,16 @@ bench: $(STAMP)
 	$(PY) benchmarks/exchange_bytes.py
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/jit_paths.py
+
+# The 26-table DLRM against TorchRec (benchmarks/dlrm.py). TorchRec and the
+# modules its import needs, without their dependencies (torch and FBGEMM's
+# CPU build are pinned above).
+TORCHREC := torchrec==1.8.0 tensordict==0.15.3 pyvers==0.2.3 \
+	cloudpickle==3.1.3 pyre-extensions==0.0.32 typing-inspect mypy-extensions
+bench-dlrm: $(STAMP)
+	$(PY) -m pip install -q torch==2.13.0 fbgemm-gpu-cpu==1.8.0
+	$(PY) -m pip install -q --no-deps $(TORCHREC)
+	$(PY) benchmarks/dlrm.py
 
 # Needs about 12 GiB of free memory.
 bench-large: $(STAMP)

@@ -1,0 +1,401 @@
+"""A 26-table DLRM on the default path against TorchRec, on the same data.
+
+Run: ``python benchmarks/dlrm.py`` (``make bench-dlrm`` installs the peer:
+``torchrec==1.8.0`` with ``--no-deps`` beside ``fbgemm-gpu-cpu==1.8.0`` and
+torch 2.13.0, plus the few modules its import needs). Each library runs in
+its own subprocess (peak RSS is the process's); the tables print last.
+
+The model, written as a user would from the docs: 13 dense features into a
+bottom MLP (13 -> 64 -> 16), 26 categorical features each with its own
+16-wide table (four of 100,000 to 1,000,000 rows, 22 of 10 to 10,000; three
+multi-hot with 1 to 5 ids per sample, the rest one id), dot interactions
+between the 27 vectors, a top MLP (367 -> 64 -> 1), a logistic loss. Tables
+learn with Adagrad (lr 0.05), dense parameters with Adam (lr 1e-3). Ids
+follow Zipf(1.1) over a random permutation of each table's rows; labels
+carry a learnable signal (a hidden score per id of 8 tables plus a linear
+function of the dense features). Batch 2,048; 8 virtual CPU devices (ours).
+
+Ours: ``SparseCoreEmbed.from_config`` with the docs' defaults (compatible
+tables stacked, default limits, exchange chosen per stack),
+``SparseCoreTrainer``; host preprocessing is ``embed.preprocess`` on the
+ragged ids. TorchRec: ``FusedEmbeddingBagCollection`` (FBGEMM's table-batched
+embedding with the Adagrad update fused into the backward) and the same MLPs
+in torch, one process.
+
+Reported per library: model build seconds, first step (with ours, the
+compile), host preprocessing ms per batch, step ms (device step with the
+batch ready), end-to-end ms per step over the training run (host work
+included; ours overlaps it with ``fit``'s prefetching), peak RSS, held-out
+AUC after the same batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+BATCH, DIM, DENSE = 2048, 16, 13
+BIG = (100_000, 300_000, 600_000, 1_000_000)
+SMALL = tuple(int(v) for v in np.geomspace(10, 10_000, 22))
+VOCABS = BIG + SMALL
+MULTI_HOT = (4, 5, 6)  # Features with 1-5 ids per sample.
+SIGNAL = (0, 1, 4, 6, 8, 10, 12, 14)  # Features that carry the signal.
+TABLE_LR, DENSE_LR = 0.05, 1e-3
+
+
+def make_data(num_batches: int, seed: int = 0):
+  """Batches of (dense [B, 13] f32, ids: 26 lists of per-sample arrays,
+  labels [B] f32)."""
+  rng = np.random.default_rng(seed)
+  hidden = [rng.normal(0, 1, v).astype(np.float32) for v in VOCABS]
+  perms = [rng.permutation(v) for v in VOCABS]
+  cdfs = [np.cumsum(np.arange(1, v + 1) ** -1.1) for v in VOCABS]
+  w_dense = rng.normal(0, 0.5, DENSE).astype(np.float32)
+  batches = []
+  for _ in range(num_batches):
+    dense = rng.normal(0, 1, (BATCH, DENSE)).astype(np.float32)
+    ids, score = [], dense @ w_dense
+    for t, v in enumerate(VOCABS):
+      counts = (
+        rng.integers(1, 6, BATCH)
+        if t in MULTI_HOT
+        else np.ones(BATCH, np.int64)
+      )
+      ranks = np.searchsorted(cdfs[t], rng.random(counts.sum()) * cdfs[t][-1])
+      flat = perms[t][np.minimum(ranks, v - 1)].astype(np.int32)
+      if t in SIGNAL:
+        per_id = hidden[t][flat]
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        score = score + np.add.reduceat(per_id, starts) / counts
+      ids.append(np.split(flat, np.cumsum(counts)[:-1]))
+    labels = (rng.random(BATCH) < 1 / (1 + np.exp(-score / 2))).astype(
+      np.float32
+    )
+    batches.append((dense, ids, labels))
+  return batches
+
+
+def auc(scores: np.ndarray, labels: np.ndarray) -> float:
+  order = np.argsort(scores)
+  ranks = np.empty(len(scores))
+  ranks[order] = np.arange(1, len(scores) + 1)
+  pos = labels > 0.5
+  n_pos, n_neg = pos.sum(), (~pos).sum()
+  return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def peak_rss_gb() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+# --- ours ---------------------------------------------------------------------
+
+
+def run_ours(train, test, warmup: int) -> dict:
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import Mesh
+  from penzai import pz
+
+  import pz_sparsecore as pzsc
+
+  t0 = time.perf_counter()
+  features = {}
+  for t, v in enumerate(VOCABS):
+    table = pzsc.TableSpec(
+      name=f"t{t:02d}",
+      vocabulary_size=v,
+      embedding_dim=DIM,
+      initializer=jax.nn.initializers.normal(0.05),
+      # FBGEMM's exact Adagrad: accumulators start at 0.
+      optimizer=pzsc.AdagradOptimizerSpec(
+        learning_rate=TABLE_LR, initial_accumulator_value=0.0
+      ),
+      combiner="mean",
+    )
+    k = 5 if t in MULTI_HOT else 1
+    features[f"c{t:02d}"] = pzsc.FeatureSpec(
+      name=f"c{t:02d}",
+      table_spec=table,
+      input_shape=(BATCH, k),
+      output_shape=(BATCH, DIM),
+    )
+  mesh = Mesh(np.array(jax.devices()), ("device",))
+  embed = pzsc.SparseCoreEmbed.from_config(
+    "emb", jax.random.key(0), features, mesh
+  )
+  rng = np.random.default_rng(1)
+
+  def param(label, shape):
+    scale = np.sqrt(2.0 / shape[0])
+    return pz.Parameter(
+      value=jnp.asarray(rng.normal(0, scale, shape), jnp.float32), label=label
+    )
+
+  n_int = 27 * 26 // 2
+
+  def bias(label, n):
+    return pz.Parameter(value=jnp.zeros((n,), jnp.float32), label=label)
+
+  params = {
+    "b1": param("b1", (DENSE, 64)),
+    "b1_bias": bias("b1_bias", 64),
+    "b2": param("b2", (64, DIM)),
+    "b2_bias": bias("b2_bias", DIM),
+    "t1": param("t1", (n_int + DIM, 64)),
+    "t1_bias": bias("t1_bias", 64),
+    "t2": param("t2", (64, 1)),
+    "t2_bias": bias("t2_bias", 1),
+  }
+  names = list(features)
+  iu = np.triu_indices(27, 1)
+
+  def forward(model, inputs, dense):
+    acts = model["embed"](inputs)
+
+    def linear(name, x):
+      return x @ model[name].value + model[f"{name}_bias"].value
+
+    x = linear("b2", jax.nn.relu(linear("b1", dense)))
+    vecs = jnp.stack(
+      [x] + [acts[n].unwrap("batch", "embedding") for n in names], axis=1
+    )
+    inter = jnp.einsum("bid,bjd->bij", vecs, vecs)[:, iu[0], iu[1]]
+    h = jax.nn.relu(linear("t1", jnp.concatenate([x, inter], 1)))
+    return linear("t2", h)[:, 0]
+
+  def loss_fn(*, model, state, rng, inputs, dense, labels):
+    del rng
+    logits = forward(model, inputs, dense)
+    loss = jnp.mean(optax.sigmoid_binary_cross_entropy(logits, labels))
+    return loss, state, {"loss": loss}
+
+  model = {"embed": embed, **params}
+  trainer = pzsc.SparseCoreTrainer.build(
+    jax.random.key(2), model, optax.adam(DENSE_LR), loss_fn
+  )
+  build_s = time.perf_counter() - t0
+
+  def prep(batch):
+    dense, ids, labels = batch
+    inputs, _ = trainer.model["embed"].preprocess(
+      {n: ids[t] for t, n in enumerate(names)}
+    )
+    return {
+      "inputs": inputs,
+      "dense": jnp.asarray(dense),
+      "labels": jnp.asarray(labels),
+    }
+
+  prep_ms = [1e3 * _timed(lambda b=b: prep(b))[1] for b in train[:10]]
+  t0 = time.perf_counter()
+  kwargs = prep(train[0])
+  jax.block_until_ready(trainer.step(**kwargs))
+  first_s = time.perf_counter() - t0
+  ready = [prep(b) for b in train[1 : warmup + 1]]
+  step_ms = []
+  for kw in ready:
+    t = time.perf_counter()
+    jax.block_until_ready(trainer.step(**kw))
+    step_ms.append(1e3 * (time.perf_counter() - t))
+  rest = train[warmup + 1 :]
+  t0 = time.perf_counter()
+  trainer.fit(rest, prep)
+  e2e_ms = 1e3 * (time.perf_counter() - t0) / len(rest)
+  eval_fn = pzsc.variable_jit(forward)
+  scores, labels = [], []
+  for batch in test:
+    kw = prep(batch)
+    scores.append(np.asarray(eval_fn(trainer.model, kw["inputs"], kw["dense"])))
+    labels.append(batch[2])
+  return {
+    "stacks": len(trainer.model["embed"].config.plan.stacks),
+    "build_s": build_s,
+    "first_step_s": first_s,
+    "prep_ms": statistics.median(prep_ms),
+    "step_ms": statistics.median(step_ms),
+    "e2e_ms": e2e_ms,
+    "rss_gb": peak_rss_gb(),
+    "auc": auc(np.concatenate(scores), np.concatenate(labels)),
+  }
+
+
+def _timed(fn):
+  t = time.perf_counter()
+  out = fn()
+  return out, time.perf_counter() - t
+
+
+# --- TorchRec -----------------------------------------------------------------
+
+
+def run_torchrec(train, test, warmup: int) -> dict:
+  import torch
+  from torchrec.modules.embedding_configs import EmbeddingBagConfig
+  from torchrec.modules.fused_embedding_modules import (
+    FusedEmbeddingBagCollection,
+  )
+  from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+  torch.manual_seed(0)
+  t0 = time.perf_counter()
+  names = [f"c{t:02d}" for t in range(len(VOCABS))]
+  tables = [
+    EmbeddingBagConfig(
+      num_embeddings=v,
+      embedding_dim=DIM,
+      name=f"t{t:02d}",
+      feature_names=[names[t]],
+      pooling=__import__("torchrec").PoolingType.MEAN,
+      init_fn=lambda w: torch.nn.init.normal_(w, 0.0, 0.05),
+    )
+    for t, v in enumerate(VOCABS)
+  ]
+  ebc = FusedEmbeddingBagCollection(
+    tables,
+    optimizer_type=torch.optim.Adagrad,
+    optimizer_kwargs={"lr": TABLE_LR, "eps": 1e-8},
+  )
+  bottom = torch.nn.Sequential(
+    torch.nn.Linear(DENSE, 64), torch.nn.ReLU(), torch.nn.Linear(64, DIM)
+  )
+  n_int = 27 * 26 // 2
+  top = torch.nn.Sequential(
+    torch.nn.Linear(n_int + DIM, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
+  )
+  iu = torch.triu_indices(27, 27, 1)
+  dense_opt = torch.optim.Adam(
+    list(bottom.parameters()) + list(top.parameters()), lr=DENSE_LR
+  )
+  build_s = time.perf_counter() - t0
+
+  def prep(batch):
+    dense, ids, labels = batch
+    lengths = np.concatenate([[len(r) for r in f] for f in ids])
+    values = np.concatenate([np.concatenate(f) for f in ids])
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+      keys=names,
+      values=torch.from_numpy(values.astype(np.int64)),
+      lengths=torch.from_numpy(lengths.astype(np.int32)),
+    )
+    return kjt, torch.from_numpy(dense), torch.from_numpy(labels)
+
+  def forward(kjt, dense):
+    x = bottom(dense)
+    pooled = ebc(kjt).values().view(-1, len(names), DIM)
+    vecs = torch.cat([x[:, None, :], pooled], 1)
+    inter = torch.bmm(vecs, vecs.transpose(1, 2))[:, iu[0], iu[1]]
+    return top(torch.cat([x, inter], 1))[:, 0]
+
+  def step(kjt, dense, labels):
+    dense_opt.zero_grad()
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(
+      forward(kjt, dense), labels
+    )
+    loss.backward()  # The tables' Adagrad runs inside, fused.
+    dense_opt.step()
+    return float(loss)
+
+  prep_ms = [1e3 * _timed(lambda b=b: prep(b))[1] for b in train[:10]]
+  t0 = time.perf_counter()
+  step(*prep(train[0]))
+  first_s = time.perf_counter() - t0
+  ready = [prep(b) for b in train[1 : warmup + 1]]
+  step_ms = [1e3 * _timed(lambda r=r: step(*r))[1] for r in ready]
+  rest = train[warmup + 1 :]
+  t0 = time.perf_counter()
+  for batch in rest:
+    step(*prep(batch))
+  e2e_ms = 1e3 * (time.perf_counter() - t0) / len(rest)
+  scores, labels = [], []
+  with torch.no_grad():
+    for batch in test:
+      kjt, dense, lab = prep(batch)
+      scores.append(forward(kjt, dense).numpy())
+      labels.append(batch[2])
+  return {
+    "stacks": len(tables),
+    "build_s": build_s,
+    "first_step_s": first_s,
+    "prep_ms": statistics.median(prep_ms),
+    "step_ms": statistics.median(step_ms),
+    "e2e_ms": e2e_ms,
+    "rss_gb": peak_rss_gb(),
+    "auc": auc(np.concatenate(scores), np.concatenate(labels)),
+  }
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--child", default=None)
+  parser.add_argument("--batches", type=int, default=120)
+  parser.add_argument("--test-batches", type=int, default=8)
+  parser.add_argument("--warmup", type=int, default=10)
+  args = parser.parse_args()
+  if args.child:
+    data = make_data(args.batches + args.test_batches)
+    train, test = data[: args.batches], data[args.batches :]
+    fn = run_ours if args.child == "ours" else run_torchrec
+    print(json.dumps(fn(train, test, args.warmup)))
+    return
+  results = {}
+  for who in ("ours", "torchrec"):
+    out = subprocess.run(
+      [
+        sys.executable,
+        __file__,
+        "--child",
+        who,
+        "--batches",
+        str(args.batches),
+        "--test-batches",
+        str(args.test_batches),
+        "--warmup",
+        str(args.warmup),
+      ],
+      capture_output=True,
+      text=True,
+    )
+    if out.returncode != 0:
+      results[who] = {"error": out.stderr.strip().splitlines()[-1:]}
+    else:
+      results[who] = json.loads(out.stdout.strip().splitlines()[-1])
+    print(who, results[who], flush=True)
+  load = os.getloadavg()[0]
+  o, t = results["ours"], results["torchrec"]
+  print(
+    f"\n26-table DLRM, batch {BATCH}, {args.batches} training batches, "
+    f"{args.test_batches} held out; load average {load:.1f}"
+  )
+  if "error" in o or "error" in t:
+    return
+  rows = [
+    ("stacks / tables", "stacks", "{:.0f}", False),
+    ("model build, s", "build_s", "{:.2f}", True),
+    ("first step (compile), s", "first_step_s", "{:.2f}", True),
+    ("host preprocessing, ms/batch", "prep_ms", "{:.2f}", True),
+    ("step, batch ready, ms", "step_ms", "{:.2f}", True),
+    ("end to end, ms/step", "e2e_ms", "{:.2f}", True),
+    ("peak RSS, GB", "rss_gb", "{:.2f}", True),
+    ("held-out AUC", "auc", "{:.4f}", False),
+  ]
+  print(f"{'':32} {'ours':>10} {'TorchRec':>10} {'ours/TorchRec':>14}")
+  for label, key, fmt, ratio in rows:
+    r = f"{o[key] / t[key]:.2f}" if ratio and t[key] else ""
+    print(
+      f"{label:32} {fmt.format(o[key]):>10} {fmt.format(t[key]):>10} {r:>14}"
+    )
+
+
+if __name__ == "__main__":
+  main()
