@@ -106,7 +106,7 @@ NB_MODULE(_pzsc_ffi, m) {
         return nb::none();
 #endif
       },
-      "The first error the CUDA handlers recorded on the device since the "
+      "The latest error the CUDA handlers recorded on the device since the "
       "last call (code, segment, partition, next start, rp[partition], "
       "start), cleared; None if none.");
   m.def("has_cuda", []() {

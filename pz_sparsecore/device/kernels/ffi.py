@@ -268,7 +268,7 @@ _STATUS_ROW_POINTERS = 1
 
 
 def take_device_error() -> str | None:
-  """The first error the CUDA handlers recorded on the device, cleared.
+  """The latest error the CUDA handlers recorded on the device, cleared.
 
   The CUDA handlers check the row pointers on the device, without a host
   synchronisation: a call whose partition starts decrease does nothing (its
