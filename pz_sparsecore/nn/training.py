@@ -565,7 +565,7 @@ class SparseCoreTrainer(pz.Struct):
       held by later steps can stall the collectives until XLA aborts the
       process (`rendezvous.cc: Termination timeout`), seen with unblocked
       loops of 120 steps on a 2 x 4 mesh of CPU devices, more often on a
-      loaded machine. 1 waits for every step.
+      loaded machine. With 1, each step waits for the one before it.
   """
 
   root_rng: jax.Array
