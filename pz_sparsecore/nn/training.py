@@ -773,15 +773,16 @@ class SparseCoreTrainer(pz.Struct):
     for _ in range(max(count, 0)):
       done, finite = grouping.in_flight.popleft()
       # Every device's copy: reading the value waits for one device only.
-      step = int(done.block_until_ready()) - 1
-      bad = [
-        k for k, ok in finite.items() if k.startswith("input ") and not bool(ok)
-      ]
-      if bad and not self.check_finite:
+      done.block_until_ready()
+      if self.check_finite:
+        continue  # `step` reads this step's flags itself.
+      inputs = {k: v for k, v in finite.items() if k.startswith("input ")}
+      bad = [k for k, ok in jax.device_get(inputs).items() if not bool(ok)]
+      if bad:
         raise NonFiniteInputError(
-          f"step {step}: non-finite values in {', '.join(bad)}; the step "
-          "ran with them (its loss and updates are not finite: restore "
-          "the variables from before it, or build the trainer with "
+          f"step {int(done) - 1}: non-finite values in {', '.join(bad)}; "
+          "the step ran with them (its loss and updates are not finite: "
+          "restore the variables from before it, or build the trainer with "
           "check_finite=True to have such steps skipped)"
         )
 
