@@ -15,7 +15,7 @@ from pz_sparsecore.host.preprocess import PAD_ID, SparseDenseMatmulInputStats
 from pz_sparsecore.nn import SparseCoreEmbed
 from pz_sparsecore.nn.lookup import SparseCoreLookup
 from pz_sparsecore.viz import figures as viz
-from pz_sparsecore.viz import vocabulary, vocabulary_view
+from pz_sparsecore.viz import palette, vocabulary, vocabulary_view
 
 NUM_DEVICES = 4
 BATCH = 16
@@ -160,6 +160,36 @@ def test_embed_html_has_summary_and_array_views(embed):
   assert "rows [24, 40) of each shard" in html
   assert "arrayviz" in html
   assert "Sharded across 4" in html
+
+
+def test_each_attribute_is_rendered_once(embed):
+  # A summarized node (layer, plan, spec) holds each attribute line once,
+  # shown when expanded or in roundtrip mode: a copy per case doubled the
+  # HTML at every level (32 copies of the stack's vocabulary size here).
+  html = viz.to_html(embed)
+  path = ".config.plan.feature_specs[0].table_spec.stacked_table_spec"
+  assert html.count(f'data-copy="{path}.stack_vocab_size"') == 1
+
+
+def test_repeated_specs_point_to_their_first_rendering(embed):
+  text = _text(embed, 20)
+  first = ".config.plan.feature_specs"
+  # The plan's stacks hold the specs of `feature_specs` again: one line each.
+  assert (
+    "TableSpec('ta': 40 x 4, adagrad(lr=0.1), sum; in 'tb_ta' at row 24, "
+    f"rotation 1),  # shown at {first}[0].table_spec"
+  ) in text
+  assert f"# shown at {first}[1]\n" in text  # The FeaturePlan of fb.
+  assert text.count("stack_vocab_size=160") == 1
+  # Roundtrip mode: no comment, an explicit non-constructor.
+  roundtrip = treescope.render_to_text(embed, roundtrip_mode=True)
+  assert "#" not in roundtrip
+  assert (
+    f"<pz_sparsecore.core.specs.TableSpec 'tb' shown at {first}[1].table_spec>"
+  ) in roundtrip
+  # A spec rendered on its own, or twice side by side, is in full.
+  fa, fb = embed.config.plan.feature_specs
+  assert "shown at" not in _text([fa, fb], 20)
 
 
 def test_spec_summaries(embed):
@@ -322,6 +352,20 @@ def test_shard_map_figure(embed):
   assert "stack 'tb': 4 shards (2 devices x 2 SC), 24 rows/shard x 8" in text
   with pytest.raises(ValueError, match="global_device_count"):
     viz.shard_map_figure(features)
+
+
+@pytest.mark.parametrize("count", [1, 8, 26, 200])
+def test_table_colors_are_distinct_and_not_padding(count):
+  colors = palette.table_colors(count)
+  assert len(colors) == count == len(set(colors))
+  assert colors[:8] == list(palette.TABLE_COLORS[:count])
+  assert colors == palette.table_colors(count + 5)[:count]  # A prefix.
+  rgb = np.array([*colors, palette.PADDING_COLOR], float)
+  gaps = np.linalg.norm(rgb[:, None] - rgb[None], axis=-1)
+  np.fill_diagonal(gaps, np.inf)
+  # Apart from one another and from the padding grey in plain RGB too.
+  assert gaps.min() >= (40 if count <= 26 else 10)
+  assert all(len(set(c)) > 1 for c in colors)  # No grey.
 
 
 def test_row_placement_layout_example(embed):

@@ -2,7 +2,8 @@
 
 `figures` draws which rows of which logical table live on which device and
 SparseCore, tables in vocabulary order, and the per-partition id counts
-against the limits; `vocabulary` shows a `SparseCoreLookup`'s table in
+against the limits, each table in its own colour from `palette`;
+`vocabulary` shows a `SparseCoreLookup`'s table in
 vocabulary order, as Penzai's `EmbeddingTable` holds it
 (`vocabulary_view`); `treescope` renders the package's objects (specs,
 plans, buffers, stats, layers) as compact Treescope summaries. The stages
@@ -13,8 +14,6 @@ from __future__ import annotations
 
 from pz_sparsecore.viz.figures import (
   MAX_COLUMNS,
-  PADDING_COLOR,
-  TABLE_COLORS,
   describe,
   over_limit_partitions,
   row_owner_figure,
@@ -25,6 +24,7 @@ from pz_sparsecore.viz.figures import (
   table_values_figure,
   to_html,
 )
+from pz_sparsecore.viz.palette import PADDING_COLOR, TABLE_COLORS, table_colors
 from pz_sparsecore.viz.vocabulary import vocabulary_view
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
   "shard_map_figure",
   "shard_table_index",
   "stats_heatmap",
+  "table_colors",
   "table_values_figure",
   "to_html",
   "vocabulary_view",

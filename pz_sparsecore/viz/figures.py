@@ -10,14 +10,19 @@ in a notebook (`_repr_html_`) and turned into a standalone HTML fragment by
 
 * `shard_map_figure`: per stack, an image of `[devices x SparseCores]` bars
   (one per shard, in shard-major order, grouped by device) by the `V_shard`
-  rows of a shard (in bins of rows beyond `MAX_COLUMNS`, so that the image
-  fits a page), coloured by the member table that owns each row, with
-  padding rows in grey, and a legend (what a bar and a cell are; per colour
-  the table, vocabulary, rows per shard, rotation). Since every table
+  rows of a shard, coloured by the member table that owns each row (each
+  table its own colour, `palette.table_colors`), with padding rows in grey,
+  and a legend (what a bar and a cell are; per colour the table,
+  vocabulary, rows per shard, rotation; padding). Since every table
   occupies the same block of rows in every shard, tables appear as vertical
-  bands; padding shows where `padded_vocab_size` exceeds the vocabulary.
-  Treescope's own sharding view cannot draw MOD sharding (its shards must be
-  contiguous blocks); this figure draws the physical order instead.
+  stripes; padding shows where `padded_vocab_size` exceeds the vocabulary.
+  A shard longer than `MAX_COLUMNS` rows is drawn in bands: each block
+  takes at least two cells and the rest in proportion to its rows, so that
+  the image fits a page and a 10-row table beside a 1M-row one still shows
+  (in the DLRM benchmark's 26-table stack, 254,568 rows per shard become
+  125 cells). Treescope's own sharding view cannot draw MOD sharding (its
+  shards must be contiguous blocks); this figure draws the physical order
+  instead.
 * `row_owner_figure`: for one logical table, the owner shard of each of its
   first rows (`(i % N + rotation) % N`, as a digit-box image) and a small
   table `id → shard, device, SparseCore, row in shard, physical row`.
@@ -61,30 +66,26 @@ from pz_sparsecore.core.plan import StackPlan
 from pz_sparsecore.core.specs import FeatureSpec, StackedTableSpec, TableSpec
 from pz_sparsecore.host import preprocess
 from pz_sparsecore.viz import treescope as _treescope
+from pz_sparsecore.viz.palette import PADDING_COLOR, table_colors
 
 Figure = Any  # treescope's `TreescopeFigure` (not exported publicly).
 
-TABLE_COLORS: tuple[tuple[int, int, int], ...] = (
-  (31, 119, 180),
-  (255, 127, 14),
-  (44, 160, 44),
-  (148, 103, 189),
-  (23, 190, 207),
-  (227, 119, 194),
-  (188, 189, 34),
-  (140, 86, 75),
-)
-"""Colours of the member tables of a stack, in row order (cycled)."""
-
-PADDING_COLOR = (210, 210, 210)
-"""Colour of padding rows."""
-
 MAX_COLUMNS = 128
-"""Widest `shard_map_figure` image, in cells; longer shards are drawn in bins.
+"""Widest `shard_map_figure` image, in cells; longer shards are drawn in bands.
 
 128 cells of 7 px (the default cell size) make a 910-px image with its
 border, which fits a notebook cell or an HTML report 1280 px wide together
-with the axis labels, whatever the table size."""
+with the axis labels, whatever the table size. (A stack of more than 64
+tables takes two cells per table, however wide.)"""
+
+_MIN_CELLS_PER_BLOCK = 2
+"""Cells a block of rows takes at least in a banded shard map: the first
+shows the table, the last its padding if the block has any."""
+
+_LABELLED_EDGE_ROWS = 512
+"""Rows at each end of a shard that `table_values_figure` labels when
+Treescope truncates the table: `render_array`'s per-axis cutoff, which its
+default truncation keeps fewer than at either end of any axis."""
 
 _LIMIT_RATIO_MAX = 2.0
 _UNDER_LIMIT_COLORS = ((26, 152, 80), (145, 207, 96), (254, 224, 139))
@@ -202,12 +203,13 @@ def shard_table_index(
 
 
 def _table_legend(stack: StackPlan, num_shards: int) -> list[Figure]:
+  """Per member table its colour, vocabulary and block; then padding's."""
   items = []
-  for k, table in enumerate(stack.tables):
+  colors = table_colors(len(stack.tables))
+  for table, color in zip(stack.tables, colors, strict=True):
     setting = table.setting_in_stack
     rows = _treescope.table_rows_per_shard(table, num_shards)
     start = setting.row_offset_in_shard
-    color = TABLE_COLORS[k % len(TABLE_COLORS)]
     items.append(
       figures.inline(
         figures.with_color("\u25a0 ", _color_css(color)),
@@ -219,24 +221,54 @@ def _table_legend(stack: StackPlan, num_shards: int) -> list[Figure]:
     )
   items.append(
     figures.inline(
-      figures.with_color("\u25a0 ", _color_css(PADDING_COLOR)), "padding"
+      figures.with_color("\u25a0 ", _color_css(PADDING_COLOR)),
+      "padding: rows of a table's block past its vocabulary, and rows of a "
+      "shard past its tables",
     )
   )
   return items
 
 
-def _binned(
-  values: np.ndarray, fill: int, max_columns: int
-) -> tuple[np.ndarray, int]:
-  """`[N, V_shard]` values in bins of `step` rows (the max of each bin)."""
-  n, v_shard = values.shape
-  step = -(-v_shard // max_columns)
-  if step > 1:
-    cols = -(-v_shard // step)
-    binned = np.full((n, cols * step), fill, values.dtype)
-    binned[:, :v_shard] = values
-    values = binned.reshape(n, cols, step).max(axis=2)
-  return values, step
+def _block_edges(stack: StackPlan, num_shards: int) -> np.ndarray:
+  """Row edges of a shard's blocks, 0 to `V_shard`: each member table's
+  block, and any rows outside them (padding) as blocks of their own."""
+  edges = {0, stack.rows_per_shard}
+  for table in stack.tables:
+    start = table.setting_in_stack.row_offset_in_shard
+    rows = _treescope.table_rows_per_shard(table, num_shards)
+    edges |= {start, start + rows}
+  return np.array(sorted(edges))
+
+
+def _cell_starts(
+  stack: StackPlan, num_shards: int, max_columns: int
+) -> np.ndarray:
+  """The first row in shard of each cell of a shard map's bars.
+
+  A shard of at most `max_columns` rows has a cell per row. A longer one is
+  drawn in bands: each block of rows (a member table's, or padding outside
+  them) takes `_MIN_CELLS_PER_BLOCK` cells (or one per row if it has fewer
+  rows), the rest of `max_columns` goes to the blocks in proportion to their
+  rows, and a block's cells split it evenly. So every table shows however
+  small, and the image is at most `max(max_columns, 2 x blocks)` cells wide
+  whatever the vocabularies: in the DLRM benchmark's stack of 26 tables
+  (254,568 rows per shard, 125 cells), the 125,000-row block of the 1M-row
+  table takes 39 cells and the 8-row block of a 10-row table 2.
+  """
+  v_shard = stack.rows_per_shard
+  if v_shard <= max_columns:
+    return np.arange(v_shard)
+  edges = _block_edges(stack, num_shards)
+  rows = np.diff(edges)
+  cells = np.minimum(rows, _MIN_CELLS_PER_BLOCK)
+  spare = max(max_columns - int(cells.sum()), 0)
+  cells = np.minimum(cells + spare * rows // v_shard, rows)
+  return np.concatenate(
+    [
+      start + np.arange(count) * size // count
+      for start, size, count in zip(edges[:-1], rows, cells, strict=True)
+    ]
+  )
 
 
 def _device_axes(embed_or_specs: Any, g: int) -> list[tuple[str, int]]:
@@ -254,45 +286,63 @@ def _shard_map_image(
   max_columns: int,
   pixels_per_cell: int,
   device_axes: list[tuple[str, int]],
-) -> tuple[Figure, int]:
-  """The `[mesh axes..., SparseCore] x row` image of one stack's owner
-  tables, shards grouped by the mesh axes they live on, and the rows per
-  cell (the bin size)."""
-  s = plan.num_sc_per_device
-  owner = _owner_index(stack, plan.num_shards)
+) -> tuple[Figure, bool]:
+  """The `[mesh axes..., SparseCore] x cell` image of one stack's owner
+  tables, shards grouped by the mesh axes they live on, and whether its
+  cells are bands of rows (`_cell_starts`) rather than single rows."""
+  s, n = plan.num_sc_per_device, plan.num_shards
+  starts = _cell_starts(stack, n, max_columns)
+  banded = len(starts) < stack.rows_per_shard
+  # A cell shows the table of its block if any of its rows holds one of the
+  # table's ids (they come first in the block), padding only if none does.
+  owner = np.maximum.reduceat(_owner_index(stack, n), starts, axis=1)
   padding = len(stack.tables)
-  values, step = _binned(
-    np.where(owner < 0, padding, owner), padding, max_columns
-  )
-  row_label = "row in shard" + (f" (bins of {step})" if step > 1 else "")
-  colormap = [TABLE_COLORS[k % len(TABLE_COLORS)] for k in range(padding)]
-  colormap.append(PADDING_COLOR)
+  values = np.where(owner < 0, padding, owner)
   k = len(device_axes)
   labels = {i: f"{name} ({size})" for i, (name, size) in enumerate(device_axes)}
+  if banded:
+    ends = [*starts[1:], stack.rows_per_shard]
+    row_label = f"rows in shard ({len(starts)} bands)"
+    item_labels = {
+      k + 1: [f"rows [{a}, {b})" for a, b in zip(starts, ends, strict=True)]
+    }
+  else:
+    row_label, item_labels = "row in shard", {}
   image = treescope.render_array(
     values.reshape(*(size for _, size in device_axes), s, -1),
     rows=[k, *reversed(range(k))],
     columns=[k + 1],
     continuous=False,
-    colormap=colormap,
+    colormap=[*table_colors(padding), PADDING_COLOR],
     value_item_labels={
       **{k: t.name for k, t in enumerate(stack.tables)},
       padding: "padding",
     },
     axis_labels={**labels, k: f"SparseCore ({s})", k + 1: row_label},
+    axis_item_labels=item_labels,
     pixels_per_cell=pixels_per_cell,
   )
-  return image, step
+  return image, banded
 
 
-def _shard_map_key(stack: StackPlan, step: int) -> list[str]:
+def _shard_map_key(stack: StackPlan, banded: bool) -> list[str]:
   """What the bars and cells of a shard map mean (above the colour legend)."""
-  cells = "one row" if step == 1 else f"{step} rows (grey if any is padding)"
-  return [
+  bar = (
     "each bar: one shard (a SparseCore of a device), its rows 0 to "
-    f"{stack.rows_per_shard - 1} left to right",
-    f"each cell: {cells}",
-    "colour: the table that owns the row (hover a cell for its indices)",
+    f"{stack.rows_per_shard - 1} left to right"
+  )
+  if not banded:
+    return [
+      bar,
+      "each cell: one row",
+      "colour: the table that owns the row (hover a cell for its indices)",
+    ]
+  return [
+    bar,
+    "each cell: a band of rows within one table's block (hover for its rows)",
+    f"bands: {_MIN_CELLS_PER_BLOCK} per block, and more in proportion to "
+    "its rows",
+    "colour: the table that owns the band's rows; grey if all are padding",
   ]
 
 
@@ -314,16 +364,20 @@ def shard_map_figure(
     global_device_count: Devices the tables are sharded over.
     num_sc_per_device: SparseCores per device.
     stack: Only this stack; all by default.
-    max_columns: Shards longer than this are drawn in bins of rows; a bin
-      shows padding if it holds any, else the last table in it.
+    max_columns: Shards longer than this are drawn in bands of rows, each
+      within one block (a table's rows, or padding outside them); a block
+      takes at least two cells, so that every table shows, and a band shows
+      its table if any of its rows holds one of the table's ids.
     pixels_per_cell: Cell size of the images.
 
   Returns:
     A figure: per stack a heading, the `[device, SparseCore] x row` image
     (for a layer, the devices split into the mesh axes its tables are
     sharded over, e.g. `data (2) x model (4)`), at most `max_columns` cells
-    wide, and the legend: what a bar and a cell are, then per colour its
-    table.
+    wide (or two per block, for a stack of over `max_columns / 2` tables),
+    and the legend: what a bar and a cell are, then per colour its table
+    (each table its own colour, `palette.table_colors`), then padding's
+    grey.
 
   Raises:
     ValueError: On an unknown stack or missing topology.
@@ -332,7 +386,7 @@ def shard_map_figure(
   g, s, n = plan.num_devices, plan.num_sc_per_device, plan.num_shards
   parts: list[Any] = []
   for stack_plan in _stacks(plan, stack):
-    image, step = _shard_map_image(
+    image, banded = _shard_map_image(
       plan,
       stack_plan,
       max_columns,
@@ -345,7 +399,7 @@ def shard_map_figure(
         f"{stack_plan.rows_per_shard} rows/shard x {stack_plan.dim}"
       ),
       image,
-      *_shard_map_key(stack_plan, step),
+      *_shard_map_key(stack_plan, banded),
       *_table_legend(stack_plan, n),
     ]
   return _lines(*parts)
@@ -628,16 +682,30 @@ def stats_heatmap(
 # Table values.
 
 
-def _row_labels(stack: StackPlan, owner: np.ndarray) -> list[str]:
-  """Per row of a shard: its table and its row inside the table's block."""
-  labels = []
-  for r in range(owner.shape[1]):
-    k = owner[:, r].max()
+def _row_labels(
+  stack: StackPlan, owner: np.ndarray, truncate: bool
+) -> list[str] | dict[int, str]:
+  """Per row of a shard: its table and its row inside the table's block.
+
+  All rows when Treescope draws them all; else (`truncate`, a shard longer
+  than twice `_LABELLED_EDGE_ROWS`) only the rows at either end that it can
+  draw, keyed by row: Treescope's hover text looks a row's label up by
+  index (`lookup_table[row]` in its JavaScript), which a mapping serves as
+  well as a list, and the HTML holds about a thousand labels rather than
+  one per row (254,568 per shard in the DLRM benchmark: 8 MB).
+  """
+  v_shard = owner.shape[1]
+  rows = np.arange(v_shard)
+  edge = _LABELLED_EDGE_ROWS
+  if truncate and v_shard > 2 * edge:
+    rows = np.concatenate([rows[:edge], rows[-edge:]])
+  labels = {}
+  for r, k in zip(rows, owner[:, rows].max(axis=0), strict=True):
     table = stack.tables[k] if k >= 0 else None
     start = table.setting_in_stack.row_offset_in_shard if table else 0
     label = table.name if table else "padding"
-    labels.append(f"{label} (row {r - start} of its block)")
-  return labels
+    labels[int(r)] = f"{label} (row {r - start} of its block)"
+  return list(labels.values()) if len(rows) == v_shard else labels
 
 
 def _table_values_parts(
@@ -666,7 +734,7 @@ def _table_values_parts(
       rows=[ROW_AXIS],
       columns=[config.embedding_axis, SHARD_AXIS],
       truncate=truncate,
-      axis_item_labels={ROW_AXIS: _row_labels(stack, owner)},
+      axis_item_labels={ROW_AXIS: _row_labels(stack, owner, truncate)},
     ),
     "device sharding:",
     treescope.render_array_sharding(

@@ -18,6 +18,14 @@ optimizer) and one more comment, just above its physical `[N, V_shard, D]`
 table, naming the call that shows the table in vocabulary order
 (`viz.vocabulary_view`).
 
+Each attribute line is in the HTML once, whichever mode shows it, and a
+spec appears in full once inside a rendered layer, plan or spec: a plan
+holds every feature's spec three times (`feature_specs`, and its stack's
+`features` and `tables`) and the stack's spec in every member table's, so a
+spec met again is one line, `TableSpec('t03': ...)  # shown at
+.config.plan.feature_specs[3].table_spec`. With both, the DLRM benchmark's
+26-table layer renders to about 1 MB of HTML (33 MB without).
+
 The `__treescope_repr__` methods of `SparseCoreEmbed`, `PreprocessedInput`,
 `SparseDenseMatmulInputStats` and the spec classes import this module lazily
 and call its `render_*` function for their type (`render_embed`,
@@ -30,13 +38,14 @@ valid entries of concrete buffers is `buffer_format.count_valid_entries`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from treescope import formatting_util, renderers, rendering_parts
+from treescope import context, formatting_util, renderers, rendering_parts
 
 from pz_sparsecore.core import buffer_format
 from pz_sparsecore.core.plan import Plan, StackPlan
@@ -48,6 +57,17 @@ from pz_sparsecore.core.specs import (
 )
 
 Renderer = renderers.TreescopeSubtreeRenderer
+
+_SpecRecord = dict[int, tuple[Any, str | None]]
+_shown_specs: context.ContextualValue[_SpecRecord | None] = (
+  context.ContextualValue(
+    module=__name__, qualname="_shown_specs", initial_value=None
+  )
+)
+"""The specs rendered in full so far under the outermost summarized node
+being rendered, by `id`, with the spec (kept alive, so that ids stay unique)
+and its path; None outside one (see `render_spec`). Scoped to one rendering,
+like Treescope's own record of shared values."""
 
 
 # ---------------------------------------------------------------------------
@@ -433,18 +453,22 @@ def summarized_node(
     The rendering.
   """
   children = []
-  comments = _detail_comments(details)
-  for i, (name, value) in enumerate(attributes.items()):
-    last = i == len(attributes) - 1
-    line = _attribute_line(name, value, path, subtree_renderer, last)
-    children.append(
-      rendering_parts.fold_condition(
-        expanded=rendering_parts.siblings(comments, line) if i == 0 else line,
-        collapsed=rendering_parts.roundtrip_condition(roundtrip=line),
-      )
-    )
+  comments = rendering_parts.fold_condition(expanded=_detail_comments(details))
+  last = len(attributes) - 1
+  with _tracking_specs():
+    lines = [
+      _attribute_line(name, value, path, subtree_renderer, i == last)
+      for i, (name, value) in enumerate(attributes.items())
+    ]
+  for i, line in enumerate(lines):
+    # Hidden only when collapsed outside roundtrip mode (the summary stands
+    # in). One part for "expanded or roundtrip": two conditional copies, one
+    # per case, would double the HTML at every summarized level (a stack's
+    # spec in a table's, a feature's, a plan, a layer: 32 copies).
+    line = rendering_parts.summarizable_condition(detail=line)
+    children.append(line if i else rendering_parts.siblings(comments, line))
   if not attributes:
-    children.append(rendering_parts.fold_condition(expanded=comments))
+    children.append(comments)
   opening, closing = ("", "") if roundtrippable else ("<", ">")
   prefix = rendering_parts.siblings(
     rendering_parts.roundtrip_condition(
@@ -474,6 +498,41 @@ def summarized_node(
       not_roundtrip=_comment(f"  # {summary}")
     ),
   )
+
+
+@contextlib.contextmanager
+def _tracking_specs() -> Iterator[None]:
+  """Within the outermost summarized node, one record of the specs shown."""
+  if _shown_specs.get() is not None:
+    yield
+  else:
+    with _shown_specs.set_scoped({}):
+      yield
+
+
+def _spec_reference(
+  spec: Any, path: str | None, first_path: str | None
+) -> rendering_parts.RenderableAndLineAnnotations:
+  """One line standing for a spec already shown in full at `first_path`.
+
+  `Type(summary)  # shown at .path` (`<Type 'name' shown at .path>` in
+  roundtrip mode, where it does not evaluate back and has no comment).
+  """
+  where = f"shown at {first_path}" if first_path is not None else "shown above"
+  name = getattr(spec, "name", None) or getattr(spec, "stack_name", "")
+  type_name = rendering_parts.maybe_qualified_type_name(type(spec))
+  line = rendering_parts.RenderableAndLineAnnotations(
+    renderable=rendering_parts.roundtrip_condition(
+      roundtrip=rendering_parts.siblings("<", type_name, f" {name!r} {where}>"),
+      not_roundtrip=rendering_parts.siblings(
+        type_name, f"({spec_summary(spec)})"
+      ),
+    ),
+    annotations=rendering_parts.roundtrip_condition(
+      not_roundtrip=_comment(f"  # {where}")
+    ),
+  )
+  return rendering_parts.build_one_line_tree_node(line, path)
 
 
 def _fields(obj: Any, skip_none: Sequence[str] = ()) -> dict[str, Any]:
@@ -528,7 +587,19 @@ def render_plan(
 def render_spec(
   spec: Any, path: str | None, subtree_renderer: Renderer
 ) -> rendering_parts.RenderableAndLineAnnotations:
-  """Renders a `TableSpec`, `FeatureSpec` or `StackedTableSpec`."""
+  """Renders a `TableSpec`, `FeatureSpec` or `StackedTableSpec`.
+
+  Inside another summarized node (a layer, a plan, a spec), a spec already
+  rendered there in full is one line pointing to that path: a plan holds each
+  feature's spec three times (`feature_specs`, its stack's `features` and
+  `tables`) and the stack's spec once per member table, which would
+  otherwise make a 26-table layer's HTML tens of MB.
+  """
+  shown = _shown_specs.get()
+  if shown is not None:
+    if id(spec) in shown:
+      return _spec_reference(spec, path, shown[id(spec)][1])
+    shown[id(spec)] = (spec, path)
   return summarized_node(
     spec,
     spec_summary(spec),
