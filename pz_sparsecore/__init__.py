@@ -72,6 +72,9 @@ _EXPORTS = {
   "CSVFileFDOClient": "host.fdo",
   "update_preprocessing_parameters": "host.fdo",
   "scale_stats": "host.fdo",
+  "merge_stats": "host.fdo",
+  "LimitsExceededError": "host.fill",
+  "worst_case_limits": "core.layout",
   # device side
   "sparse_dense_matmul": "device.kernels",
   "sparse_dense_matmul_grad": "device.kernels",

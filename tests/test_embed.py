@@ -354,3 +354,54 @@ def test_one_dimensional_table_with_one_id_per_sample(devices):
   np.testing.assert_allclose(after[touched], want[touched], rtol=1e-5)
   untouched = np.setdiff1d(np.arange(vocab), touched)
   np.testing.assert_array_equal(after[untouched], before[untouched, 0])
+
+
+def test_initial_rows_are_each_tables_own_draw(mesh):
+  """Every member table of a stack starts as its initializer's draw of
+  shape `[padded_vocab / N, D]` from key `g` of the stack's keys on shard
+  `g`, whether members share one draw (equal jax initializers) or not
+  (shape-dependent and user initializers)."""
+  inits = [
+    jax.nn.initializers.normal(0.5),
+    jax.nn.initializers.normal(0.5),  # Equal to the first: one draw.
+    jax.nn.initializers.normal(2.0),
+    jax.nn.initializers.uniform(0.2),
+    jax.nn.initializers.glorot_normal(),  # Depends on the shape.
+    lambda key, shape, dtype=jnp.float32: jax.random.normal(key, shape) + 3,
+  ]
+  features = {}
+  for i, init in enumerate(inits):
+    table = specs.TableSpec(
+      name=f"t{i}",
+      vocabulary_size=40 + 17 * i,
+      embedding_dim=8,
+      initializer=init,
+      optimizer=specs.SGDOptimizerSpec(learning_rate=0.1),
+      combiner="sum",
+    )
+    features[f"f{i}"] = specs.FeatureSpec(
+      name=f"f{i}",
+      table_spec=table,
+      input_shape=(BATCH, 1),
+      output_shape=(BATCH, 8),
+    )
+  embed = SparseCoreEmbed.from_config(
+    "emb", jax.random.key(7), features, mesh, num_sc_per_device=2
+  )
+  (stack,) = embed.config.plan.stacks
+  n = embed.config.topology.num_shards
+  table = embed.tables[stack.name]
+  got = np.asarray(table.value.unwrap(SHARD_AXIS, ROW_AXIS, "embedding"))
+  keys = jax.random.split(
+    pz.nn.derive_param_key(jax.random.key(7), table.label), n
+  )
+  for t, init in zip(stack.tables, inits, strict=True):
+    setting = t.setting_in_stack
+    rows = setting.padded_vocab_size // n
+    start = setting.row_offset_in_shard
+    for g in range(n):
+      want = np.asarray(init(keys[g], (rows, 8), jnp.float32))
+      # Up to rounding: jit fuses the user function's arithmetic.
+      np.testing.assert_allclose(
+        got[g, start : start + rows], want, rtol=1e-6, atol=1e-6
+      )

@@ -767,12 +767,24 @@ def assert_next_step_as_unguarded(trainer, model, inputs, grads, before):
 
 
 def test_trainer_compiles_once_then_once_more_after_a_limits_refresh(caplog):
-  """Five steps, one compilation (the step counter, optax's state and the
-  dense parameters come back placed as they went in); an FDO limits refresh
-  changes the buffer shapes: one more; five more steps, no more."""
+  """Five steps, one compilation (the step counter, optax's state, the loss
+  function's state and the dense parameters come back placed as they went
+  in); an FDO limits refresh changes the buffer shapes: one more; five more
+  steps, no more."""
   model = build_model(8, 1)
+
+  def counting_loss_fn(*, model, state, rng, inputs, grads):
+    loss, _, aux = loss_fn(
+      model=model, state=None, rng=rng, inputs=inputs, grads=grads
+    )
+    return loss, state + 1, aux
+
   trainer = SparseCoreTrainer.build(
-    jax.random.key(1), model, optax.adam(0.01), loss_fn
+    jax.random.key(1),
+    model,
+    optax.adam(0.01),
+    counting_loss_fn,
+    jnp.zeros((), jnp.int32),
   )
   grads = {k: jnp.asarray(v) for k, v in act_grads(3).items()}
 
@@ -797,6 +809,7 @@ def test_trainer_compiles_once_then_once_more_after_a_limits_refresh(caplog):
   count, _ = compiles(trainer, 400)
   assert count == 0
   assert int(trainer.state.value.step) == 15
+  assert int(trainer.state.value.loss_fn_state) == 15
 
 
 def _busy_processes(n: int) -> list[subprocess.Popen]:

@@ -36,14 +36,22 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from pz_sparsecore.core.buffer_format import ALIGNMENT, num_shards, round_up
+from pz_sparsecore.core.buffer_format import (
+  ALIGNMENT,
+  compute_theoretical_max_coo_buffer_size,
+  num_shards,
+  round_up,
+)
 from pz_sparsecore.core.specs import (
+  DEFAULT_MAX_IDS_PER_PARTITION,
+  DEFAULT_MAX_UNIQUE_IDS_PER_PARTITION,
   FeatureIdTransformation,
   FeatureSpec,
   StackedTableSpec,
@@ -249,6 +257,8 @@ def stack_tables(
     sample_count,
     stack_to_max_ids_per_partition,
     stack_to_max_unique_ids_per_partition,
+    global_device_count,
+    num_sc_per_device,
   )
   stacked = _stacked_spec(
     members[0],
@@ -371,9 +381,12 @@ def _stack_limits(
   sample_count: int,
   max_ids: LimitsCallable,
   max_unique: LimitsCallable,
+  global_device_count: int,
+  num_sc_per_device: int,
 ) -> dict[str, Any]:
   """A stack's limits: its table's when alone, else from the callables (or
-  the members' sums: `keep_table_limits`)."""
+  the members' sums: `keep_table_limits`; the summed buffer size is capped
+  at the largest the summed limit allows, which no batch can overflow)."""
   if len(members) == 1:
     return _table_limits(members[0])
   limits = {}
@@ -388,7 +401,12 @@ def _stack_limits(
     )
   sizes = [t.suggested_coo_buffer_size_per_device for t in members]
   if max_ids is keep_table_limits and None not in sizes:
-    limits["suggested_coo_buffer_size_per_device"] = sum(sizes)
+    limits["suggested_coo_buffer_size_per_device"] = min(
+      sum(sizes),
+      compute_theoretical_max_coo_buffer_size(
+        limits["max_ids_per_partition"], global_device_count, num_sc_per_device
+      ),
+    )
   return limits
 
 
@@ -543,6 +561,95 @@ def stack_compatible_tables(
       stack_name=readable_stack_name(group),
     )
   return result
+
+
+def _valency(feature: FeatureSpec) -> int | None:
+  """Ids per sample that `feature`'s specs declare (`input_shape` over its
+  sample count, rounded up), or None if `input_shape` has unknown sizes."""
+  dims = tuple(feature.input_shape)
+  if any(d is None for d in dims):
+    return None
+  return max(1, -(-math.prod(dims) // feature.sample_count))
+
+
+def has_default_limits(table: TableSpec) -> bool:
+  """Whether a table's limits are still upstream's defaults (256 ids and
+  256 distinct ids per partition, no buffer size)."""
+  return (
+    table.max_ids_per_partition == DEFAULT_MAX_IDS_PER_PARTITION
+    and table.max_unique_ids_per_partition
+    == DEFAULT_MAX_UNIQUE_IDS_PER_PARTITION
+    and table.suggested_coo_buffer_size_per_device is None
+  )
+
+
+def worst_case_limits(
+  feature_specs: Any, global_device_count: int, num_sc_per_device: int
+) -> Any:
+  """`feature_specs` with limits that no batch of the declared shapes
+  exceeds, for every unstacked table whose limits are still upstream's
+  defaults.
+
+  One SparseCore preprocesses `sample_count / N` samples of each feature
+  (N = devices x SparseCores), each with at most `valency` ids (the
+  feature's `input_shape` over its sample count: `[batch, k]` -> `k`), so
+  at worst it sends all `c = sum(samples / N * valency)` of a table's ids to
+  one partition. Where `c` is above upstream's default of 256,
+  `max_ids_per_partition = c` and the buffer holds every id of the
+  device's SparseCores, each partition 8-aligned:
+  `suggested_coo_buffer_size_per_device = S * (c + 7 * N)`; otherwise the
+  default stays (a declared valency is informative only: ragged rows may be
+  longer, and 256 keeps admitting what it admitted). Distinct ids are
+  bounded by a partition's rows too: `max_unique_ids_per_partition =
+  min(max_ids_per_partition, padded_vocab / N)`. The activation exchange's
+  window then holds every id a SparseCore has, the row exchange's every
+  distinct id (or row) it can have; FDO statistics (`pzsc.update_limits`)
+  tighten them to what the data needs.
+
+  Tables with limits of their own, or already stacked, and tables with a
+  feature whose `input_shape` has unknown sizes keep theirs. Ragged rows
+  longer than their feature's declared valency can still exceed these
+  limits, with the usual error naming the stack.
+  """
+  n = num_shards(global_device_count, num_sc_per_device)
+  counts: dict[str, int | None] = {}
+  for feature in _feature_leaves(feature_specs):
+    table = feature.table_spec
+    if table.stacked_table_spec is not None or not has_default_limits(table):
+      continue
+    valency = _valency(feature)
+    seen = counts.get(table.name, 0)
+    if valency is None or seen is None:
+      counts[table.name] = None
+      continue
+    counts[table.name] = seen + -(-feature.sample_count // n) * valency
+  tables = {}
+  for table in _tables(feature_specs).values():
+    c = counts.get(table.name)
+    if c is None:
+      continue
+    limits: dict[str, Any] = {}
+    if c > DEFAULT_MAX_IDS_PER_PARTITION:
+      limits = dict(
+        max_ids_per_partition=c,
+        suggested_coo_buffer_size_per_device=min(
+          num_sc_per_device * (c + (ALIGNMENT - 1) * n),
+          compute_theoretical_max_coo_buffer_size(
+            c, global_device_count, num_sc_per_device
+          ),
+        ),
+      )
+    limits["max_unique_ids_per_partition"] = min(
+      limits.get("max_ids_per_partition", table.max_ids_per_partition),
+      _padded_vocab(table, n) // n,
+    )
+    tables[table.name] = table.replace(**limits)
+
+  def update(feature: FeatureSpec) -> FeatureSpec:
+    table = tables.get(feature.table_spec.name)
+    return feature if table is None else feature.replace(table_spec=table)
+
+  return jax.tree.map(update, feature_specs)
 
 
 def split_groups_by_memory_limit(

@@ -472,13 +472,15 @@ def update_preprocessing_parameters(
     suggested = spec.suggested_coo_buffer_size_per_device
     if required is not None:
       suggested = required * num_sc_per_device
-      if global_device_count is not None:
-        suggested = min(
-          suggested,
-          buffer_format.compute_theoretical_max_coo_buffer_size(
-            max_ids, global_device_count, num_sc_per_device
-          ),
-        )
+    if suggested is not None and global_device_count is not None:
+      # A buffer the new limit cannot fill (e.g. a kept size set for a
+      # larger limit) is capped at the most it can hold.
+      suggested = min(
+        suggested,
+        buffer_format.compute_theoretical_max_coo_buffer_size(
+          max_ids, global_device_count, num_sc_per_device
+        ),
+      )
     new_stacks[name] = spec.replace(
       max_ids_per_partition=max_ids,
       max_unique_ids_per_partition=observed(
@@ -495,6 +497,55 @@ def update_preprocessing_parameters(
     )
 
   return jax.tree.map(update, feature_specs)
+
+
+def merge_stats(
+  first: SparseDenseMatmulInputStats, second: SparseDenseMatmulInputStats
+) -> SparseDenseMatmulInputStats:
+  """The statistics of two batches together: per stack, the larger count
+  of each partition and SparseCore, and the dropped ids added.
+
+  Raises:
+    ValueError: If a stack's counts have different sizes in the two (they
+      were measured on different topologies).
+  """
+
+  def larger(a: dict[str, Any], b: dict[str, Any], field: str):
+    out = {k: np.asarray(v) for k, v in a.items()}
+    for k, v in b.items():
+      v = np.asarray(v)
+      if k not in out:
+        out[k] = v
+        continue
+      if out[k].shape != v.shape:
+        raise ValueError(
+          f"stack {k!r}: {field} of shapes {out[k].shape} and {v.shape} "
+          "cannot be merged (measured on different topologies)"
+        )
+      out[k] = np.maximum(out[k], v)
+    return out
+
+  drops = dict(first.id_drop_counters)
+  for k, v in second.id_drop_counters.items():
+    drops[k] = int(drops.get(k, 0)) + int(v)
+  return SparseDenseMatmulInputStats(
+    max_ids_per_partition=larger(
+      first.max_ids_per_partition,
+      second.max_ids_per_partition,
+      "max_ids_per_partition",
+    ),
+    max_unique_ids_per_partition=larger(
+      first.max_unique_ids_per_partition,
+      second.max_unique_ids_per_partition,
+      "max_unique_ids_per_partition",
+    ),
+    required_buffer_size_per_sc=larger(
+      first.required_buffer_size_per_sc,
+      second.required_buffer_size_per_sc,
+      "required_buffer_size_per_sc",
+    ),
+    id_drop_counters=drops,
+  )
 
 
 def scale_stats(

@@ -296,15 +296,33 @@ def counts(call: _Call) -> tuple[np.ndarray, np.ndarray]:
   return call.out.obs_ids.reshape(shape), call.out.obs_unique.reshape(shape)
 
 
+class LimitsExceededError(ValueError):
+  """A batch sends a partition more ids, or distinct ids, than its stack's
+  limits allow (and ids may not be dropped); nothing was produced.
+
+  Attributes:
+    stats: The batch's statistics, measured before any dropping: limits
+      from them (`pzsc.update_limits(target, error.stats)`, with headroom)
+      admit the batch.
+  """
+
+  def __init__(self, message: str, stats: SparseDenseMatmulInputStats):
+    super().__init__(message)
+    self.stats = stats
+
+
 def check_call_limits(call: _Call) -> None:
-  """Raises or warns where a stack's counts exceed its limits or its
-  buffer overflowed."""
+  """Raises (`LimitsExceededError`) or warns where a stack's counts exceed
+  its limits, or warns where its buffer overflowed."""
   plan, out = call.plan, call.out
   obs_ids, obs_unique = counts(call)
   required = out.required.reshape(len(plan.stacks), -1)
   overflowed = out.overflowed.reshape(len(plan.stacks), -1).sum(axis=1)
   for t, stack in enumerate(plan.stacks):
-    _check_limits(stack, obs_ids[t], obs_unique[t], call.allow_id_dropping)
+    try:
+      _check_limits(stack, obs_ids[t], obs_unique[t], call.allow_id_dropping)
+    except LimitsExceededError as e:
+      raise LimitsExceededError(str(e), stats_of(call)) from None
     if overflowed[t]:
       warnings.warn(
         f"stack {stack.name!r}: the COO buffer of {stack.coo_per_device} "
@@ -409,8 +427,11 @@ def _check_limits(
       f" {field}={limit}"
     )
     if not allow_id_dropping:
-      raise ValueError(
-        message + "; raise the limit (e.g. from FDO stats with "
-        "update_preprocessing_parameters) or pass allow_id_dropping=True"
+      raise LimitsExceededError(
+        message + "; raise the limit (e.g. pzsc.update_limits(target, "
+        "error.stats, headroom=1.25) with this error's stats, or FDO stats "
+        "with update_preprocessing_parameters) or pass "
+        "allow_id_dropping=True",
+        None,
       )
     warnings.warn(message + "; ids were dropped", stacklevel=3)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pz_sparsecore.nn.checkpoint import restore_checkpoint, save_checkpoint
+import importlib
+
 from pz_sparsecore.nn.embed import EmbedConfig, SparseCoreEmbed, find_embeds
 from pz_sparsecore.nn.jit import variable_jit
 from pz_sparsecore.nn.lookup import LookupConfig, SparseCoreLookup
@@ -57,3 +58,17 @@ __all__ = [
   "update_limits",
   "with_feature_specs",
 ]
+
+
+# Checkpoints need orbax, a heavy import that building and training a layer
+# do not: loaded on first use.
+_LAZY = {"restore_checkpoint": "checkpoint", "save_checkpoint": "checkpoint"}
+
+
+def __getattr__(name: str):
+  module = _LAZY.get(name)
+  if module is None:
+    raise AttributeError(f"module 'pz_sparsecore.nn' has no attribute {name!r}")
+  value = getattr(importlib.import_module(f"pz_sparsecore.nn.{module}"), name)
+  globals()[name] = value
+  return value

@@ -10,7 +10,8 @@ A checkpoint holds a flat dict of arrays under generated keys (`"a0"`,
                               "padded_vocab": 64, "row_offset_in_shard": 0,
                               "shard_rotation": 0}]},
        "dtype": "float32", "optimizer": "adagrad",
-       "arrays": {"embeddings": "a0", "accumulator": "a1"}}}},
+       "arrays": {"embeddings": "a0", "accumulator": "a1"},
+       "limits": {"max_ids_per_partition": 12, ...}}}},  # _ckpt_limits
    "variables": {"head.w": {"kind": "parameter", "array": "a2",
                             "leaf": {"shape": [16, 4], "dtype": "float32",
                                      "axes": ["hidden", "out"], "key": null}}},
@@ -22,6 +23,9 @@ compares a stored manifest with a target's and raises a `ValueError` naming
 the first difference, before anything is read or assigned. A model built
 with variable slots (`init_base_rng=None`) has no values: its slots are
 checked by kind only, its tables by layer, name, shape and optimizer.
+A stack's `"limits"` (the limits in force and what they were set for,
+`_ckpt_limits.py`) are not compared: they never stop a restore, and
+checkpoints written before they were stored have none.
 
 A *leaf* is one stored array: a plain array, a `NamedArray` (its named axes
 in order; positional axes are refused) or a typed PRNG key (its key data and
@@ -41,6 +45,7 @@ import numpy as np
 from penzai import pz
 
 from pz_sparsecore.nn._ckpt_layout import StackLayout, stack_layout
+from pz_sparsecore.nn._ckpt_limits import describe_limits
 from pz_sparsecore.nn.embed import SparseCoreEmbed, find_embeds, variable_labels
 from pz_sparsecore.nn.tables import positional_table
 from pz_sparsecore.nn.training import SparseCoreTrainer
@@ -163,6 +168,7 @@ def _describe_embed(embed: SparseCoreEmbed, out: Description):
       "dtype": dtype,
       "optimizer": stack.optimizer.short_name(),
       "arrays": arrays,
+      "limits": describe_limits(config.plan, stack),
     }
   return stacks
 

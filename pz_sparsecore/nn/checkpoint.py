@@ -35,6 +35,16 @@ other is read sharded over the model's mesh and its rows are moved on device
 restores onto 4 x 2, 1 x 1 or another stacking of the same tables with
 identical values.
 
+Limits. Each stack's preprocessing limits in force
+(`max_ids_per_partition`, `max_unique_ids_per_partition`,
+`suggested_coo_buffer_size_per_device`, e.g. set by `update_limits` from
+FDO) are saved with the topology and features they were set for. By
+default a restore gives a stack the saved limits wherever they hold (the
+same devices x SparseCores, the same layout of the stack, the same features
+and samples), so a resumed job preprocesses its next batch into the buffers
+it had before the save without applying FDO again; any other stack keeps
+the target's limits (`_ckpt_limits.py` says why there is no conversion).
+
 Validation. The whole manifest is compared with the target before anything
 is read or assigned: layer and table names, shapes, dtypes, optimizers and
 slots, dense variables' labels, kinds, shapes, dtypes and axis names, and a
@@ -68,6 +78,7 @@ from etils import epath
 from orbax.checkpoint.path import atomicity
 from penzai import pz
 
+from pz_sparsecore.nn._ckpt_limits import check_mode, restore_limits
 from pz_sparsecore.nn._ckpt_manifest import (
   SLOTS,
   Description,
@@ -268,6 +279,7 @@ def restore_checkpoint(
   target: Any,
   *,
   max_host_bytes: int | None = None,
+  limits: str = "checkpoint",
 ) -> Any:
   """Restores the newest checkpoint in `directory` into a model or trainer.
 
@@ -278,22 +290,43 @@ def restore_checkpoint(
   optax state, loss-function state and root key. A model restores from a
   trainer's checkpoint too. With several processes every process calls it.
 
+  Limits. With `limits="checkpoint"` (the default) each stack takes the
+  preprocessing limits saved with it (`max_ids_per_partition`,
+  `max_unique_ids_per_partition`, `suggested_coo_buffer_size_per_device`)
+  where they hold: on the same devices x SparseCores, for the same layout
+  of the stack and the same features with the same samples. They win over
+  the target's own limits there, so a layer built afresh gets the plan it
+  had at the save, and its `preprocess` makes the same buffers. Any other
+  stack (another topology or stacking) keeps the target's limits, as its
+  builder chose them: limits are per-partition counts, those of other
+  partitions were never measured, and none are converted; measure FDO
+  statistics with the restored layer to set them (`update_limits`).
+  `limits="target"` keeps the target's limits everywhere (e.g. limits just
+  set from FDO on new data). A checkpoint written without limits keeps
+  the target's. The returned object's layers carry the restored limits
+  (layers are frozen: a re-specified layer is a new one sharing the
+  target's variables), so preprocess with them, e.g.
+  `restored.model.embed.preprocess`.
+
   Args:
     directory: A directory written by `save_checkpoint`.
     target: The model or `SparseCoreTrainer` to restore into.
     max_host_bytes: Most bytes this process holds in flight between storage
       and its devices at once; None is unlimited.
+    limits: "checkpoint" (the saved limits where they hold) or "target"
+      (the target's own).
 
   Returns:
     The restored model, or the restored trainer (use the returned object:
-    its root key is new).
+    its root key is new, and its layers have the restored limits).
 
   Raises:
     FileNotFoundError: If `directory` holds no committed checkpoint.
     ValueError: If the checkpoint does not match the target (naming the
-      first difference); nothing is changed then.
+      first difference) or an option is invalid; nothing is changed then.
   """
   _check_options(None, max_host_bytes)
+  check_mode(limits)
   directory = os.path.abspath(os.fspath(directory))
   steps = _steps(directory)
   if not steps:
@@ -308,9 +341,14 @@ def restore_checkpoint(
   description = describe(target)
   try:
     check(stored, description.manifest)
+    model = restore_limits(
+      target.model if isinstance(target, SparseCoreTrainer) else target,
+      stored["embeds"],
+      description.manifest["embeds"],
+      limits,
+    )
   except ValueError as e:
     raise ValueError(f"{path}: {e}") from None
-  model = target.model if isinstance(target, SparseCoreTrainer) else target
   reads = Reads.plan(stored, description, model)
   arrays = checkpointer.restore(
     path,

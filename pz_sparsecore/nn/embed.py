@@ -26,8 +26,10 @@ the positional and logical views of its variables are functions in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -41,6 +43,7 @@ from pz_sparsecore.core import plan as plan_lib
 from pz_sparsecore.core.specs import FeatureSpec
 from pz_sparsecore.device import input_check, routing
 from pz_sparsecore.device import topology as topology_lib
+from pz_sparsecore.host.fill import LimitsExceededError
 from pz_sparsecore.host.preprocess import (
   PreprocessedInput,
   SparseDenseMatmulInputStats,
@@ -156,6 +159,7 @@ def make_topology(
 #: (`layout.stack_compatible_tables`), None keeps one stack per table unless
 #: the specs were stacked already.
 STACKING = ("auto", None)
+LIMITS = ("auto", "specs")
 
 
 def make_config(
@@ -166,13 +170,19 @@ def make_config(
   embedding_axis: str,
   axis_name_to_mesh_name: Mapping[str, Any] | None = None,
   stacking: str | None = None,
+  limits: str = "specs",
 ) -> EmbedConfig:
-  """Prepares the specs for the topology (stacking compatible tables first
+  """Prepares the specs for the topology (worst-case limits for tables left
+  at the default ones if `limits="auto"`, then stacking compatible tables
   if `stacking="auto"`) and plans them."""
   g, s = topology.num_devices, topology.num_sc_per_device
   layout.check_feature_names(feature_specs)
   if stacking not in STACKING:
     raise ValueError(f"stacking must be one of {STACKING}, got {stacking!r}")
+  if limits not in LIMITS:
+    raise ValueError(f"limits must be one of {LIMITS}, got {limits!r}")
+  if limits == "auto":
+    feature_specs = layout.worst_case_limits(feature_specs, g, s)
   if stacking == "auto":
     feature_specs = layout.stack_compatible_tables(feature_specs, g, s)
   prepared = layout.prepare_feature_specs_for_training(feature_specs, g, s)
@@ -227,6 +237,49 @@ def _call_initializer(init, key, shape):
     return jnp.asarray(init(key, shape), jnp.float32)
 
 
+# jax.nn.initializers whose draw of shape (r, d) is the first r rows of
+# their draw of shape (R, d) >= r with the same key (with partitionable
+# threefry: each value's counter is its index in the flattened array).
+_PREFIX_CONSISTENT = frozenset(
+  f"{name}.<locals>.init"
+  for name in ("normal", "uniform", "truncated_normal", "constant")
+)
+
+
+_INITIALIZERS_MODULE = jax.nn.initializers.normal(1.0).__module__
+
+
+def _draw_key(init: Any) -> Any:
+  """A key shared by initializers that draw the same rows from one key
+  whatever the row count (so one draw serves all of them), or None.
+
+  Only `jax.nn.initializers`' normal, uniform, truncated normal, constant,
+  zeros and ones qualify, and only with their settings equal; others (the
+  variance-scaling family depends on the shape; user functions are not
+  known) get a draw of their own shape, as every table did before.
+  """
+  if not jax.config.jax_threefry_partitionable:
+    return None
+  if init is jax.nn.initializers.zeros or init is jax.nn.initializers.ones:
+    return (init.__name__,)
+  if (
+    getattr(init, "__module__", None) != _INITIALIZERS_MODULE
+    or getattr(init, "__qualname__", None) not in _PREFIX_CONSISTENT
+  ):
+    return None
+  try:
+    key = (
+      init.__qualname__,
+      tuple(c.cell_contents for c in init.__closure__ or ()),
+      init.__defaults__,
+      tuple(sorted((init.__kwdefaults__ or {}).items())),
+    )
+    hash(key)
+  except (TypeError, ValueError):  # e.g. an array setting
+    return None
+  return key
+
+
 def _init_stack(
   config: EmbedConfig, stack: plan_lib.StackPlan, key: jax.Array
 ) -> jax.Array:
@@ -242,15 +295,27 @@ def _init_stack(
   keys = jax.random.split(key, n)
   axis = jax.sharding.PartitionSpec(topo.axis)
 
+  rows = [t.setting_in_stack.padded_vocab_size // n for t in stack.tables]
+  groups: dict[Any, list[int]] = {}
+  for i, t in enumerate(stack.tables):
+    key_of_draw = _draw_key(t.initializer)
+    groups.setdefault(
+      ("member", i) if key_of_draw is None else key_of_draw, []
+    ).append(i)
+
   def fill(local_table, local_keys, k):
-    parts = [
-      _call_initializer(
-        t.initializer,
+    # Members drawing the same values share one draw of the longest shape
+    # (each takes its first rows): the program's size, and its compile
+    # time, then grow with the distinct initializers, not the tables.
+    parts = [None] * len(stack.tables)
+    for members in groups.values():
+      drawn = _call_initializer(
+        stack.tables[members[0]].initializer,
         local_keys[k],
-        (t.setting_in_stack.padded_vocab_size // n, stack.dim),
+        (max(rows[i] for i in members), stack.dim),
       )
-      for t in stack.tables
-    ]
+      for i in members:
+        parts[i] = drawn[: rows[i]]
     shard = jnp.concatenate(parts, axis=0)[None]
     return jax.lax.dynamic_update_slice_in_dim(local_table, shard, k, axis=0)
 
@@ -314,6 +379,37 @@ def make_variables(
   return tables, slots
 
 
+# Whoever records the statistics of every batch a layer preprocesses (in any
+# thread): `SparseCoreTrainer.fit(refresh_limits_every=...)`.
+StatsRecorder = Callable[[EmbedConfig, SparseDenseMatmulInputStats], None]
+_RECORDERS: list[StatsRecorder] = []
+_RECORDERS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def recording_stats(record: StatsRecorder) -> Iterator[None]:
+  """Within the block, `record(config, stats)` is called with the layer's
+  config and the statistics of every batch any `SparseCoreEmbed.preprocess`
+  measures (also of a batch refused for its limits), from whichever thread
+  preprocesses it."""
+  with _RECORDERS_LOCK:
+    _RECORDERS.append(record)
+  try:
+    yield
+  finally:
+    with _RECORDERS_LOCK:
+      _RECORDERS.remove(record)
+
+
+def _report_stats(
+  config: EmbedConfig, stats: SparseDenseMatmulInputStats
+) -> None:
+  with _RECORDERS_LOCK:
+    recorders = list(_RECORDERS)
+  for record in recorders:
+    record(config, stats)
+
+
 @pz.pytree_dataclass
 class SparseCoreEmbed(pz.nn.Layer):
   """Looks up features in row-sharded, stacked tables.
@@ -345,6 +441,7 @@ class SparseCoreEmbed(pz.nn.Layer):
     exchange: str = "auto",
     axis_name_to_mesh_name: Mapping[str, Any] | None = None,
     stacking: str | None = "auto",
+    limits: str = "auto",
   ) -> SparseCoreEmbed:
     """Builds the layer and its (sharded) variables.
 
@@ -382,6 +479,14 @@ class SparseCoreEmbed(pz.nn.Layer):
         limits (the stack's are their sums) and the stack is named after
         its tables (`"a_b_c"`, or `"a_and_25_more"`). None: one stack per
         table (specs stacked by hand are kept either way).
+      limits: `"auto"` (the default): a table whose preprocessing limits
+        are still upstream's defaults (256 ids and 256 distinct ids per
+        partition, no buffer size) gets the worst case of its features'
+        declared shapes instead (`layout.worst_case_limits`: every id of a
+        SparseCore in one partition), so no batch of those shapes is
+        refused; FDO (`pzsc.update_limits`, or `fit`'s
+        `refresh_limits_every`) then tightens them to the data. `"specs"`:
+        every limit as the specs give it.
 
     Returns:
       A new `SparseCoreEmbed`.
@@ -401,6 +506,7 @@ class SparseCoreEmbed(pz.nn.Layer):
       embedding_axis,
       axis_name_to_mesh_name,
       stacking,
+      limits,
     )
     tables, slots = make_variables(config, init_base_rng)
     return cls(tables=tables, slots=slots, config=config)
@@ -447,16 +553,21 @@ class SparseCoreEmbed(pz.nn.Layer):
     if weights is not None:
       weights = _flatten_samples(self.config, weights, "weights")
     local = _local_device_count(topo)
-    inputs, stats = preprocess_for_plan(
-      self.config.plan,
-      features,
-      weights,
-      local,
-      has_leading_dimension=False,
-      allow_id_dropping=allow_id_dropping,
-      enable_minibatching=enable_minibatching,
-      all_reduce=all_reduce,
-    )
+    try:
+      inputs, stats = preprocess_for_plan(
+        self.config.plan,
+        features,
+        weights,
+        local,
+        has_leading_dimension=False,
+        allow_id_dropping=allow_id_dropping,
+        enable_minibatching=enable_minibatching,
+        all_reduce=all_reduce,
+      )
+    except LimitsExceededError as e:
+      _report_stats(self.config, e.stats)
+      raise
+    _report_stats(self.config, stats)
     sharding = topo.sharding(1)
     if jax.process_count() == 1:
       # The local batch is the global one: one batched transfer of every

@@ -54,6 +54,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -65,16 +66,20 @@ from penzai import pz
 from pz_sparsecore.device import guard as guard_lib
 from pz_sparsecore.device import routing
 from pz_sparsecore.device.kernels import ffi
-from pz_sparsecore.host.pipeline import prefetch
+from pz_sparsecore.host import fdo
+from pz_sparsecore.host.fill import LimitsExceededError
+from pz_sparsecore.host.pipeline import PrefetchError, prefetch
 from pz_sparsecore.host.preprocess import PreprocessedInput
 from pz_sparsecore.nn.embed import (
   SparseCoreEmbed,
   find_embeds,
   fits,
+  recording_stats,
   variable_labels,
 )
 from pz_sparsecore.nn.placement import committed_to_mesh, place_tables
 from pz_sparsecore.nn.probe import ActivationProbe
+from pz_sparsecore.nn.respec import update_limits
 from pz_sparsecore.nn.tables import slot_arrays, table_arrays
 from pz_sparsecore.nn.ties import check_untied
 
@@ -665,7 +670,7 @@ class SparseCoreTrainer(pz.Struct):
           # share one compilation.
           step=committed_to_mesh(jnp.zeros((), jnp.int32), model),
           opt_state=opt_state,
-          loss_fn_state=initial_loss_fn_state,
+          loss_fn_state=committed_to_mesh(initial_loss_fn_state, model),
         ),
         label="SparseCoreTrainer.state",
       ),
@@ -805,6 +810,8 @@ class SparseCoreTrainer(pz.Struct):
     steps: int | None = None,
     depth: int = 2,
     callback: Callable[[int, Any], None] | None = None,
+    refresh_limits_every: int | None = None,
+    headroom: float = 1.25,
   ) -> list[Any]:
     """Runs `step` on each batch, preprocessing the next ones meanwhile.
 
@@ -812,15 +819,34 @@ class SparseCoreTrainer(pz.Struct):
     `depth` batches ahead, so the host work of batch k + 1 overlaps step k.
     Like `step`, this updates the model's variables in place.
 
+    With `refresh_limits_every=n`, the statistics of every batch the
+    model's layers preprocess are recorded, and each layer's limits are set
+    from the largest counts seen so far times `headroom`
+    (`pzsc.update_limits`) where that at least halves one (each change
+    compiles the step once more, for the new buffer shapes): first from the
+    first batch, preprocessed once more before the first step (so the
+    worst-case limits `from_config` starts with shrink to the data before
+    anything compiles), then every `n` steps.
+    A batch refused for its limits (`LimitsExceededError`) is not an error
+    then: its counts join the statistics, the limits are refreshed, and the
+    batch is preprocessed again. The trainer's `model` is replaced in
+    place, so `preprocess` must read the layer from the trainer at each
+    call (`trainer.model[...].preprocess`, as in the example below), not
+    hold on to a layer.
+
     Args:
       batches: Raw batches (any iterable; may be infinite with `steps`).
       preprocess: Maps a raw batch to `step`'s keyword arguments, e.g.
-        `lambda b: {"inputs": embed.preprocess(b["ids"])[0], "labels":
-        jnp.asarray(b["labels"])}`; None when `batches` holds them already.
+        `lambda b: {"inputs": trainer.model.embed.preprocess(b["ids"])[0],
+        "labels": jnp.asarray(b["labels"])}`; None when `batches` holds them
+        already.
       steps: Stop after this many steps (None: when `batches` ends). No
         batch past the last step is pulled from `batches`.
       depth: Preprocessed batches that may wait for the step.
       callback: Called as `callback(i, aux)` after step `i` (from 0).
+      refresh_limits_every: None (limits as they are), or the steps between
+        refreshes of the limits from the recorded statistics.
+      headroom: Factor on the recorded counts at a refresh (at least 1).
 
     Returns:
       The loss function's aux output of every step, in order.
@@ -829,18 +855,72 @@ class SparseCoreTrainer(pz.Struct):
       PrefetchError: If a batch fails in `batches` or `preprocess` (naming
         the batch; the steps before it were taken). It is also an instance
         of the original exception's type, e.g. `ValueError`.
-      ValueError: If `steps` is negative or `preprocess` returns something
-        other than a mapping of keyword arguments.
+      ValueError: If `steps` is negative, `refresh_limits_every` is not a
+        positive int or None, `headroom` is below 1, or `preprocess`
+        returns something other than a mapping of keyword arguments.
       NonFiniteUpdateError: As `step` (`NonFiniteInputError` too: `fit`
         waits for its last steps before it returns).
     """
     if steps is not None and steps < 0:
       raise ValueError(f"steps must be None or >= 0, got {steps}")
+    if refresh_limits_every is not None and (
+      not isinstance(refresh_limits_every, int) or refresh_limits_every < 1
+    ):
+      raise ValueError(
+        "refresh_limits_every must be None or an int >= 1, got "
+        f"{refresh_limits_every!r}"
+      )
+    if not headroom >= 1.0:
+      raise ValueError(f"headroom must be >= 1, got {headroom!r}")
     if steps is not None:
       batches = itertools.islice(batches, steps)
-    auxes = []
+    auxes: list[Any] = []
+    if refresh_limits_every is None:
+      self._fit_run(batches, preprocess, depth, callback, auxes)
+    else:
+      limits = _LimitsRefresher(headroom)
+      with recording_stats(limits.record):
+        source = iter(batches)
+        refused_at = None
+        chunk = list(itertools.islice(source, refresh_limits_every))
+        if chunk and preprocess is not None:
+          # Calibration before the first step: the first batch's counts.
+          try:
+            preprocess(chunk[0])
+            limits.refresh(self, must_admit=False)
+          except LimitsExceededError:
+            limits.refresh(self, must_admit=True)
+        while chunk:
+          while chunk:
+            try:
+              self._fit_run(chunk, preprocess, depth, callback, auxes)
+              chunk = []
+            except PrefetchError as e:
+              # Refused for its limits, and not just after a refresh for it.
+              if not isinstance(e.__cause__, LimitsExceededError) or (
+                refused_at == len(auxes)
+              ):
+                raise
+              refused_at = len(auxes)
+              limits.refresh(self, must_admit=True)
+              chunk = chunk[e.batch_number :]
+          limits.refresh(self, must_admit=False)
+          chunk = list(itertools.islice(source, refresh_limits_every))
+    self.wait()
+    return auxes
+
+  def _fit_run(
+    self,
+    batches: Iterable[Any],
+    preprocess: Callable[[Any], Mapping[str, Any]] | None,
+    depth: int,
+    callback: Callable[[int, Any], None] | None,
+    auxes: list[Any],
+  ) -> None:
+    """`fit`'s loop over `batches`, appending to `auxes`."""
     with prefetch(batches, preprocess, depth=depth) as pipeline:
-      for i, kwargs in enumerate(pipeline):
+      for kwargs in pipeline:
+        i = len(auxes)
         if not isinstance(kwargs, Mapping):
           raise ValueError(
             f"batch {i}: preprocess must return a mapping of step keyword "
@@ -849,5 +929,56 @@ class SparseCoreTrainer(pz.Struct):
         auxes.append(self.step(**kwargs))
         if callback is not None:
           callback(i, auxes[-1])
-    self.wait()
-    return auxes
+
+
+class _LimitsRefresher:
+  """`fit`'s record of each layer's statistics, and the refreshes."""
+
+  def __init__(self, headroom: float):
+    self.headroom = headroom
+    self._lock = threading.Lock()
+    self._stats: dict[str, Any] = {}
+
+  def record(self, config: Any, stats: Any) -> None:
+    with self._lock:
+      seen = self._stats.get(config.name)
+      self._stats[config.name] = (
+        stats if seen is None else fdo.merge_stats(seen, stats)
+      )
+
+  def refresh(self, trainer: SparseCoreTrainer, must_admit: bool) -> None:
+    """Swaps in layers with limits from the statistics (see
+    `_worth_changing`)."""
+    with self._lock:
+      stats = dict(self._stats)
+
+    def refresh(embed: SparseCoreEmbed) -> SparseCoreEmbed:
+      seen = stats.get(embed.config.name)
+      if seen is None:
+        return embed
+      new = update_limits(embed, seen, headroom=self.headroom)
+      if _worth_changing(embed.config.plan, new.config.plan, must_admit):
+        return new
+      return embed
+
+    model = (
+      pz.select(trainer.model).at_instances_of(SparseCoreEmbed).apply(refresh)
+    )
+    if model is not trainer.model:
+      # The steps in flight hold their own buffers; the next ones use the
+      # new layers.
+      object.__setattr__(trainer, "model", model)
+
+
+def _worth_changing(old: Any, new: Any, must_admit: bool) -> bool:
+  """Whether to swap in new limits: always to admit a refused batch (the
+  new ones include its counts), otherwise only where one at least halves
+  (limits that admit every batch so far stay: each change compiles)."""
+  if must_admit:
+    return True
+  fields = ("max_ids_per_partition", "max_unique_ids_per_partition")
+  return any(
+    2 * getattr(b.spec, field) <= getattr(a.spec, field)
+    for a, b in zip(old.stacks, new.stacks, strict=True)
+    for field in fields
+  )
