@@ -76,7 +76,10 @@ def _loaded(url: str) -> str:
   )
 
 
-@pytest.fixture(scope="module")
+# One worker runs every test of the default run (`xdist_group`), and the
+# run is session-scoped: built once even when other modules' tests run
+# between them there.
+@pytest.fixture(scope="session")
 def default_run(tmp_path_factory):
   report = tmp_path_factory.mktemp("report")
   result = _cli("shakespeare", "--report", str(report), "--no-progress")
@@ -84,6 +87,7 @@ def default_run(tmp_path_factory):
   return report, result.stdout
 
 
+@pytest.mark.xdist_group("cli_report")
 def test_default_run_beats_the_unigram_baseline(default_run):
   _, stdout = default_run
   model = float(re.search(r"held-out loss ([\d.]+)", stdout).group(1))
@@ -93,6 +97,7 @@ def test_default_run_beats_the_unigram_baseline(default_run):
   assert model < baseline - 0.2, stdout
 
 
+@pytest.mark.xdist_group("cli_report")
 def test_report_files(default_run):
   report, _ = default_run
   for name in ("index.html", "loss.png", "shards.html", "stats.html"):
@@ -103,6 +108,7 @@ def test_report_files(default_run):
   assert "beats" in index
 
 
+@pytest.mark.xdist_group("cli_report")
 def test_report_renders_in_chromium(default_run, tmp_path):
   browser = chromium.find()
   if browser is None:
@@ -223,6 +229,7 @@ _LAYOUT = """(() => {
 })()"""
 
 
+@pytest.mark.xdist_group("cli_report")
 def test_report_reads_well_at_1280_px(default_run, tmp_path):
   browser = chromium.find()
   if browser is None:

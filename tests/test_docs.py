@@ -50,7 +50,10 @@ def _kernelspec(root: pathlib.Path) -> pathlib.Path:
   return root
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: the docs group's tests share one worker, but other
+# modules' tests may run between them there, and a module-scoped fixture
+# would be built again (minutes) after each such interleaving.
+@pytest.fixture(scope="session")
 def built(tmp_path_factory) -> pathlib.Path:
   tmp = tmp_path_factory.mktemp("docs")
   env = dict(

@@ -288,3 +288,38 @@ def test_fit_refuses_bad_refresh_arguments(mesh):
     trainer.fit([], refresh_limits_every=2, headroom=0.5)
   # The next action: a valid call runs.
   assert trainer.fit([], refresh_limits_every=2) == []
+
+
+def test_merge_stats_takes_the_larger_counts_and_refuses_other_topologies(
+  mesh,
+):
+  embed = pzsc.SparseCoreEmbed.from_config(
+    "emb", jax.random.key(0), _features(), mesh
+  )
+  batches = _zipf_batches(2, 5)
+  (_, a), (_, b) = (embed.preprocess(x) for x in batches)
+  merged = pzsc.merge_stats(a, b)
+  for field in (
+    "max_ids_per_partition",
+    "max_unique_ids_per_partition",
+    "required_buffer_size_per_sc",
+  ):
+    for stack, value in getattr(merged, field).items():
+      np.testing.assert_array_equal(
+        value,
+        np.maximum(getattr(a, field)[stack], getattr(b, field)[stack]),
+      )
+  # Statistics of 4 devices do not merge with those of 8, naming the stack.
+  small = pzsc.SparseCoreEmbed.from_config(
+    "emb",
+    jax.random.key(0),
+    _features(),
+    Mesh(np.array(jax.devices()[:4]), ("device",)),
+  )
+  _, c = small.preprocess(batches[0])
+  (stack,) = embed.config.plan.stacks
+  with pytest.raises(ValueError, match=f"stack '{stack.name}'.*different"):
+    pzsc.merge_stats(a, c)
+  # The next action: statistics of one topology merge, and set limits.
+  refreshed = pzsc.update_limits(embed, merged, headroom=1.25)
+  refreshed.preprocess(batches[1])
