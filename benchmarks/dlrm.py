@@ -120,17 +120,13 @@ def dense_init() -> dict[str, np.ndarray]:
 # --- ours ---------------------------------------------------------------------
 
 
-def run_ours(train, test, warmup: int) -> dict:
-  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+def feature_specs() -> dict:
+  """Our 26 features, each with its own table (also built by
+  tests/test_viz_dlrm.py)."""
   import jax
-  import jax.numpy as jnp
-  import optax
-  from jax.sharding import Mesh
-  from penzai import pz
 
   import pz_sparsecore as pzsc
 
-  t0 = time.perf_counter()
   features = {}
   for t, v in enumerate(VOCABS):
     table = pzsc.TableSpec(
@@ -151,6 +147,21 @@ def run_ours(train, test, warmup: int) -> dict:
       input_shape=(BATCH, k),
       output_shape=(BATCH, DIM),
     )
+  return features
+
+
+def run_ours(train, test, warmup: int) -> dict:
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import Mesh
+  from penzai import pz
+
+  import pz_sparsecore as pzsc
+
+  t0 = time.perf_counter()
+  features = feature_specs()
   mesh = Mesh(np.array(jax.devices()), ("device",))
   embed = pzsc.SparseCoreEmbed.from_config(
     "emb", jax.random.key(0), features, mesh

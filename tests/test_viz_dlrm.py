@@ -19,22 +19,21 @@ from __future__ import annotations
 
 import base64
 import json
+import pathlib
 import re
+import sys
 
 import jax
 import numpy as np
 import pytest
 
-from pz_sparsecore.core import specs
 from pz_sparsecore.nn import SparseCoreEmbed
 from pz_sparsecore.viz import figures as viz
 
-# As in benchmarks/dlrm.py.
-BATCH, DIM = 2048, 16
-BIG = (100_000, 300_000, 600_000, 1_000_000)
-SMALL = tuple(int(v) for v in np.geomspace(10, 10_000, 22))
-VOCABS = BIG + SMALL
-MULTI_HOT = (4, 5, 6)
+# The layer of the DLRM benchmark, built from its own specs.
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+import dlrm  # noqa: E402
+
 NUM_DEVICES = 8
 
 MAX_HTML_BYTES = 2_000_000
@@ -42,25 +41,7 @@ MAX_HTML_BYTES = 2_000_000
 
 @pytest.fixture(scope="module")
 def dlrm_embed():
-  features = {}
-  for t, v in enumerate(VOCABS):
-    table = specs.TableSpec(
-      name=f"t{t:02d}",
-      vocabulary_size=v,
-      embedding_dim=DIM,
-      initializer=jax.nn.initializers.normal(0.05),
-      optimizer=specs.AdagradOptimizerSpec(
-        learning_rate=0.05, initial_accumulator_value=0.0
-      ),
-      combiner="mean",
-    )
-    k = 5 if t in MULTI_HOT else 1
-    features[f"c{t:02d}"] = specs.FeatureSpec(
-      name=f"c{t:02d}",
-      table_spec=table,
-      input_shape=(BATCH, k),
-      output_shape=(BATCH, DIM),
-    )
+  features = dlrm.feature_specs()
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("device",))
   assert mesh.size == NUM_DEVICES
   return SparseCoreEmbed.from_config("emb", jax.random.key(0), features, mesh)
@@ -69,7 +50,7 @@ def dlrm_embed():
 @pytest.fixture(scope="module")
 def stack(dlrm_embed):
   (stack,) = dlrm_embed.config.plan.stacks
-  assert len(stack.tables) == len(VOCABS)
+  assert len(stack.tables) == len(dlrm.VOCABS)
   return stack
 
 
@@ -114,11 +95,11 @@ def test_layer_html_is_small_and_shows_the_layer(dlrm_embed, stack):
   html = viz.to_html(dlrm_embed)
   assert len(html) < MAX_HTML_BYTES, len(html)  # 33 MB before.
   assert "26 features, stacks t00_and_25_more[254568 rows/shard x 16]" in html
-  for t, v in enumerate(VOCABS):
+  for t, v in enumerate(dlrm.VOCABS):
     assert f"t{t:02d}: vocab {v} x 16, rows [" in html
   assert "arrayviz" in html  # The table and slot arrays.
   # Every spec in full once, the plan's second and third copies one line.
-  for t in range(len(VOCABS)):
+  for t in range(len(dlrm.VOCABS)):
     first = f".config.plan.feature_specs[{t}]"
     assert f'data-copy="{first}.table_spec.vocabulary_size"' in html
     assert f"shown at {first}.table_spec" in html

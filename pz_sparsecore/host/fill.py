@@ -319,10 +319,7 @@ def check_call_limits(call: _Call) -> None:
   required = out.required.reshape(len(plan.stacks), -1)
   overflowed = out.overflowed.reshape(len(plan.stacks), -1).sum(axis=1)
   for t, stack in enumerate(plan.stacks):
-    try:
-      _check_limits(stack, obs_ids[t], obs_unique[t], call.allow_id_dropping)
-    except LimitsExceededError as e:
-      raise LimitsExceededError(str(e), stats_of(call)) from None
+    _check_limits(stack, obs_ids[t], obs_unique[t], call)
     if overflowed[t]:
       warnings.warn(
         f"stack {stack.name!r}: the COO buffer of {stack.coo_per_device} "
@@ -402,12 +399,12 @@ def _check_limits(
   stack: plan_lib.StackPlan,
   obs_ids: np.ndarray,
   obs_unique: np.ndarray,
-  allow_id_dropping: bool,
+  call: _Call,
 ) -> None:
   """Raises (or warns, when dropping) if a stack's counts exceed its limits.
 
   `obs_ids` and `obs_unique` are `[L, S, N]` counts per source SparseCore
-  and partition.
+  and partition; the error carries `call`'s stats.
   """
   for counts, limit, field in (
     (obs_ids, stack.spec.max_ids_per_partition, "max_ids_per_partition"),
@@ -426,12 +423,12 @@ def _check_limits(
       f"{'ids' if counts is obs_ids else 'unique ids'} to partition {p}, over"
       f" {field}={limit}"
     )
-    if not allow_id_dropping:
+    if not call.allow_id_dropping:
       raise LimitsExceededError(
         message + "; raise the limit (e.g. pzsc.update_limits(target, "
         "error.stats, headroom=1.25) with this error's stats, or FDO stats "
         "with update_preprocessing_parameters) or pass "
         "allow_id_dropping=True",
-        None,
+        stats_of(call),
       )
     warnings.warn(message + "; ids were dropped", stacklevel=3)
