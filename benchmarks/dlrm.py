@@ -19,7 +19,10 @@ function of the dense features). Batch 2,048; 8 virtual CPU devices (ours).
 Ours: ``SparseCoreEmbed.from_config`` with the docs' defaults (compatible
 tables stacked, default limits, exchange chosen per stack),
 ``SparseCoreTrainer``; host preprocessing is ``embed.preprocess`` on the
-ragged ids. TorchRec: ``FusedEmbeddingBagCollection`` (FBGEMM's table-batched
+ids as upstream's users pass them (a ``[batch, 1]`` array for each one-hot
+feature, a list of per-sample arrays for each multi-hot one); ``--placement``
+also runs the replicated placements against the default all-sharded one.
+TorchRec: ``FusedEmbeddingBagCollection`` (FBGEMM's table-batched
 embedding with the Adagrad update fused into the backward) and the same MLPs
 in torch, one process.
 
@@ -55,11 +58,16 @@ TABLE_LR, DENSE_LR = 0.05, 1e-3
 # keeps the worst-case limits `from_config` starts with). The docs' loop:
 # limits calibrated on the first batch before anything compiles.
 REFRESH = 100
+# `from_config(placement=...)` for ours (`--placement`): "sharded" (the
+# docs' default), "auto" (the cost model), or "small" (the 22 small tables
+# replicated by hand).
+PLACEMENT = "sharded"
 
 
 def make_data(num_batches: int, seed: int = 0):
-  """Batches of (dense [B, 13] f32, ids: 26 lists of per-sample arrays,
-  labels [B] f32)."""
+  """Batches of (dense [B, 13] f32, ids: per feature a [B, 1] int32 array
+  (one id per sample) or a list of B per-sample arrays (multi-hot), labels
+  [B] f32)."""
   rng = np.random.default_rng(seed)
   hidden = [rng.normal(0, 1, v).astype(np.float32) for v in VOCABS]
   perms = [rng.permutation(v) for v in VOCABS]
@@ -81,7 +89,12 @@ def make_data(num_batches: int, seed: int = 0):
         per_id = hidden[t][flat]
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         score = score + np.add.reduceat(per_id, starts) / counts
-      ids.append(np.split(flat, np.cumsum(counts)[:-1]))
+      # As upstream's users pass them: one id per sample as a dense
+      # [batch, 1] array, ragged rows as a list of per-sample arrays.
+      if t in MULTI_HOT:
+        ids.append(np.split(flat, np.cumsum(counts)[:-1]))
+      else:
+        ids.append(flat.reshape(BATCH, 1))
     labels = (rng.random(BATCH) < 1 / (1 + np.exp(-score / 2))).astype(
       np.float32
     )
@@ -163,8 +176,13 @@ def run_ours(train, test, warmup: int) -> dict:
   t0 = time.perf_counter()
   features = feature_specs()
   mesh = Mesh(np.array(jax.devices()), ("device",))
+  placement = PLACEMENT
+  if placement == "small":
+    placement = {
+      f"t{t:02d}": "replicated" for t in range(len(BIG), len(VOCABS))
+    }
   embed = pzsc.SparseCoreEmbed.from_config(
-    "emb", jax.random.key(0), features, mesh
+    "emb", jax.random.key(0), features, mesh, placement=placement
   )
   params = {
     label: pz.Parameter(value=jnp.asarray(value), label=label)
@@ -335,8 +353,20 @@ def run_torchrec(train, test, warmup: int) -> dict:
 
   def prep(batch):
     dense, ids, labels = batch
-    lengths = np.concatenate([[len(r) for r in f] for f in ids])
-    values = np.concatenate([np.concatenate(f) for f in ids])
+    lengths = np.concatenate(
+      [
+        np.full(len(f), f.shape[1])
+        if isinstance(f, np.ndarray)
+        else [len(r) for r in f]
+        for f in ids
+      ]
+    )
+    values = np.concatenate(
+      [
+        f.reshape(-1) if isinstance(f, np.ndarray) else np.concatenate(f)
+        for f in ids
+      ]
+    )
     kjt = KeyedJaggedTensor.from_lengths_sync(
       keys=names,
       values=torch.from_numpy(values.astype(np.int64)),
@@ -386,7 +416,7 @@ def run_torchrec(train, test, warmup: int) -> dict:
 
 
 def main() -> None:
-  global REFRESH
+  global REFRESH, PLACEMENT
   parser = argparse.ArgumentParser()
   parser.add_argument("--child", default=None)
   parser.add_argument("--batches", type=int, default=120)
@@ -398,8 +428,16 @@ def main() -> None:
     default=REFRESH,
     help="ours: fit(refresh_limits_every=N) (FDO inside fit); 0: None",
   )
+  parser.add_argument(
+    "--placement",
+    default=PLACEMENT,
+    choices=("auto", "sharded", "small"),
+    help="ours: from_config(placement=...); small: the 22 small tables "
+    "replicated",
+  )
   args = parser.parse_args()
   REFRESH = args.refresh or None
+  PLACEMENT = args.placement
   if args.child:
     data = make_data(args.batches + args.test_batches)
     train, test = data[: args.batches], data[args.batches :]
@@ -424,6 +462,8 @@ def main() -> None:
         str(args.warmup),
         "--refresh",
         str(args.refresh),
+        "--placement",
+        args.placement,
       ],
       capture_output=True,
       text=True,

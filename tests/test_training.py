@@ -29,6 +29,7 @@ from penzai.toolshed import basic_training
 
 import pz_sparsecore as pzsc
 from pz_sparsecore.core import layout, specs
+from pz_sparsecore.device import topology as topology_lib
 from pz_sparsecore.device.routing import TableGradientError
 from pz_sparsecore.nn.embed import SparseCoreEmbed
 from pz_sparsecore.nn.training import (
@@ -928,3 +929,47 @@ def test_limits_from_another_topology_are_refused_naming_both():
   inputs, _ = refreshed.embed.preprocess(*make_batch(2))
   grads = {k: jnp.asarray(v) for k, v in act_grads(2).items()}
   assert np.isfinite(float(trainer.step(inputs=inputs, grads=grads)["loss"]))
+
+
+def test_compiler_options_reach_the_step_over_the_cpu_defaults():
+  """The step compiles with the CPU defaults (the classic emitters: equal
+  results); options given to `build` reach XLA (an unknown one is refused
+  by the compiler); the defaults' trainer trains as XLA's own does."""
+  assert topology_lib.compiler_options("cpu") == {
+    "xla_cpu_use_fusion_emitters": False
+  }
+  assert topology_lib.compiler_options("gpu") == {}
+  assert topology_lib.compiler_options(
+    "cpu", {"xla_cpu_use_fusion_emitters": True}
+  ) == {"xla_cpu_use_fusion_emitters": True}
+  grads = {k: jnp.asarray(v) for k, v in act_grads(3).items()}
+  results = []
+  for options in (None, {"xla_cpu_use_fusion_emitters": True}):
+    trainer = SparseCoreTrainer.build(
+      jax.random.key(1),
+      build_model(8, 1),
+      optax.adam(0.01),
+      loss_fn,
+      compiler_options=options,
+    )
+    for step in range(2):
+      inputs, _ = trainer.model.embed.preprocess(*make_batch(500 + step))
+      trainer.step(inputs=inputs, grads=grads)
+    results.append(
+      [
+        np.asarray(t.value.data_array)
+        for t in trainer.model.embed.tables.values()
+      ]
+    )
+  for a, b in zip(*results, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  trainer = SparseCoreTrainer.build(
+    jax.random.key(1),
+    build_model(8, 1),
+    optax.adam(0.01),
+    loss_fn,
+    compiler_options={"xla_no_such_option": True},
+  )
+  inputs, _ = trainer.model.embed.preprocess(*make_batch(500))
+  with pytest.raises(Exception, match="xla_no_such_option"):
+    trainer.step(inputs=inputs, grads=grads)

@@ -114,6 +114,7 @@ SparseCoreEmbed('emb': 2 features, stacks tb_ta[40 rows/shard x 8]; \
 limits ids 256 / unique 256
     tb: vocab 70 x 8, rows [0, 24) of each shard, rotation 0; features fb
     ta: vocab 40 x 4, rows [24, 40) of each shard, rotation 1; features fa
+    placement: sharded over 'device'
     exchange: activations (chosen): 69.6 KB per device per step with rows, \
 14.4 KB with activations"""
 
@@ -408,8 +409,8 @@ def test_figures_accept_a_plan(embed):
   )
   assert viz.describe(plan).splitlines() == [
     "Plan(2 features, stacks tb_ta[40 rows/shard x 8]; 4 devices x 1 SC)",
-    # A plan has no mesh: no mapping, no exchange.
-    *DESCRIPTION.splitlines()[2:-1],
+    # A plan has no mesh: no mapping, no placement, no exchange.
+    *DESCRIPTION.splitlines()[2:-2],
   ]
   assert int(viz.row_placement(plan, "ta", [13])["physical_row"][0]) == 107
   np.testing.assert_array_equal(

@@ -491,13 +491,15 @@ def compatible_table_groups(
   global_device_count: int,
   num_sc_per_device: int,
   activation_mem_bytes_limit: int = DEFAULT_ACTIVATION_MEM_BYTES_LIMIT,
+  apart: frozenset[str] = frozenset(),
 ) -> list[list[str]]:
   """The stacks `auto_stack_tables` forms, as lists of table names.
 
   Unstacked tables (in first-appearance order) grouped by padded width,
-  optimizer, combiner and quantization config, each group split greedily
-  by activation memory per SparseCore (see `auto_stack_tables`). A table
-  alone in its group is a list of one.
+  optimizer, combiner and quantization config (and by membership of
+  `apart`: tables placed differently never share a stack), each group
+  split greedily by activation memory per SparseCore (see
+  `auto_stack_tables`). A table alone in its group is a list of one.
   """
   n = num_shards(global_device_count, num_sc_per_device)
   features = _feature_leaves(feature_specs)
@@ -514,6 +516,7 @@ def compatible_table_groups(
       table.optimizer,
       table.combiner,
       table.quantization_config,
+      name in apart,
     )
     groups.setdefault(key, []).append(name)
 
@@ -537,17 +540,21 @@ def readable_stack_name(table_names: Sequence[str]) -> str:
 
 
 def stack_compatible_tables(
-  feature_specs: Any, global_device_count: int, num_sc_per_device: int
+  feature_specs: Any,
+  global_device_count: int,
+  num_sc_per_device: int,
+  apart: frozenset[str] = frozenset(),
 ) -> Any:
   """Stacks every group of compatible unstacked tables
-  (`compatible_table_groups`), keeping each table's limits
+  (`compatible_table_groups`; the tables in `apart`, e.g. the replicated
+  ones, stack only among themselves), keeping each table's limits
   (`keep_table_limits`), with readable names (`readable_stack_name`);
   tables alone in their group stay unstacked. `SparseCoreEmbed.from_config`
   does this unless told `stacking=None`.
   """
   result = feature_specs
   for group in compatible_table_groups(
-    feature_specs, global_device_count, num_sc_per_device
+    feature_specs, global_device_count, num_sc_per_device, apart=apart
   ):
     if len(group) < 2:
       continue

@@ -172,11 +172,17 @@ def _undo_impl(static, tables, slots, guard, keep):
     return new_tables, new_slots
 
   axis = P(topology.axis)
-  table_specs = {stack.name: axis for stack in plan.stacks}
-  slot_specs = {k: tuple(axis for _ in v) for k, v in slots.items()}
+  # The guard's rows are per device (a replicated stack's copies each
+  # keep their own, equal ones); the tables and slots as they are placed.
+  rows_specs = {stack.name: axis for stack in plan.stacks}
   guard_specs = UpdateGuard(
-    table_specs, table_specs, slot_specs, {k: P() for k in table_specs}
+    rows_specs,
+    rows_specs,
+    {k: tuple(axis for _ in v) for k, v in slots.items()},
+    {k: P() for k in rows_specs},
   )
+  table_specs = {s.name: topology.table_spec(s.name) for s in plan.stacks}
+  slot_specs = {k: tuple(table_specs[k] for _ in v) for k, v in slots.items()}
   return jax.shard_map(
     body,
     mesh=topology.mesh,

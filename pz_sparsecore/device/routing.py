@@ -313,7 +313,7 @@ def _lookup_impl(static, tables, inputs):
     body,
     mesh=topo.mesh,
     in_specs=(
-      {stack.name: P(topo.axis) for stack in plan.stacks},
+      {stack.name: topo.table_spec(stack.name) for stack in plan.stacks},
       _input_specs(topo, inputs),
     ),
     out_specs={name: P(topo.axis) for name in plan.features},
@@ -441,13 +441,21 @@ def _apply_impl(static, guard, tables, slots, inputs, activation_grads, hyper):
     return tuple({k: v[i] for k, v in outs.items()} for i in range(count))
 
   axis = P(topology.axis)
-  table_specs = {stack.name: axis for stack in plan.stacks}
+  table_specs = {s.name: topology.table_spec(s.name) for s in plan.stacks}
   slot_specs = {
-    stack.name: tuple(axis for _ in slots[stack.name]) for stack in plan.stacks
+    stack.name: tuple(table_specs[stack.name] for _ in slots[stack.name])
+    for stack in plan.stacks
   }
   out = [table_specs, slot_specs]
   if guard:
-    out.append({k: (axis, axis, v, P()) for k, v in slot_specs.items()})
+    # What undoing needs is per device (a replicated stack's copies each
+    # return their own, equal, rows).
+    out.append(
+      {
+        k: (axis, axis, tuple(axis for _ in v), P())
+        for k, v in slot_specs.items()
+      }
+    )
   return jax.shard_map(
     body,
     mesh=topology.mesh,

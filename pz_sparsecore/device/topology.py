@@ -21,6 +21,27 @@ from pz_sparsecore.core import buffer_format
 from pz_sparsecore.core.plan import Plan, StackPlan
 from pz_sparsecore.device import exchange as exchange_lib
 
+CPU_COMPILER_OPTIONS: dict[str, Any] = {"xla_cpu_use_fusion_emitters": False}
+"""XLA options the library's own jits (the trainer's step, `variable_jit`)
+compile with on CPU unless the caller's `compiler_options` say otherwise.
+
+XLA's CPU fusion emitters (on by default) generate every fusion through
+MLIR: the 26-table DLRM's train step (193 fusions, most of them the per
+feature slices and stacks around the embeddings) compiles in 3.2-3.6 s with
+them and 1.6-2.0 s without, and its step time stays the same or drops
+(`benchmarks/dlrm.py`, docs/benchmarks.md). The kernels are custom calls,
+unaffected."""
+
+
+def compiler_options(
+  platform: str, given: dict[str, Any] | None = None
+) -> dict[str, Any]:
+  """The options a library jit on `platform` compiles with: the platform's
+  defaults (`CPU_COMPILER_OPTIONS` on CPU), overridden by `given`."""
+  options = dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else {}
+  options.update(given or {})
+  return options
+
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
@@ -38,12 +59,16 @@ class Topology:
     exchange: How lookups cross devices (`pz_sparsecore.device.exchange`):
       `"auto"` (per stack, the mode with fewer predicted bytes),
       `"activations"` or `"rows"`.
+    replicated: Names of the stacks every device holds whole (the
+      `replicated` placement: `[N, V_shard, D]` replicated over the shard
+      axis, looked up locally); the others are sharded over it.
   """
 
   mesh: Mesh | AbstractMesh
   axis: str | tuple[str, ...]
   num_sc_per_device: int
   exchange: str = exchange_lib.AUTO
+  replicated: frozenset[str] = frozenset()
 
   def __post_init__(self):
     exchange_lib.check_mode(self.exchange)
@@ -75,7 +100,7 @@ class Topology:
   def exchange_of(self, stack: StackPlan) -> exchange_lib.Exchange:
     """The exchange `stack` uses on this topology, and why."""
     spec = stack.spec
-    return exchange_lib.choose(
+    chosen = exchange_lib.choose(
       self.exchange,
       num_devices=self.num_devices,
       num_sc_per_device=self.num_sc_per_device,
@@ -84,6 +109,35 @@ class Topology:
       max_ids_per_partition=spec.max_ids_per_partition,
       max_unique_ids_per_partition=spec.max_unique_ids_per_partition,
     )
+    if stack.name not in self.replicated or chosen.mode == exchange_lib.LOCAL:
+      return chosen
+    by_mode = dict(chosen.by_mode)
+    by_mode[exchange_lib.REPLICATED] = exchange_lib.predict_bytes(
+      exchange_lib.REPLICATED,
+      **exchange_lib.stack_sizes(
+        stack, self.num_devices, self.num_sc_per_device
+      ),
+    )
+    return exchange_lib.Exchange(
+      exchange_lib.REPLICATED, exchange_lib.REPLICATED, by_mode
+    )
+
+  def is_replicated(self, stack_name: str) -> bool:
+    """Whether every device holds `stack_name` whole (one device holds
+    everything whole: it counts as sharded)."""
+    return stack_name in self.replicated and self.num_devices > 1
+
+  def table_spec(self, stack_name: str) -> P:
+    """The `PartitionSpec` of a stack's leading axis (its tables and
+    slots), for `shard_map`."""
+    return P() if self.is_replicated(stack_name) else P(self.axis)
+
+  def table_sharding(self, stack_name: str, ndim: int = 3) -> NamedSharding:
+    """Where a stack's table and slots live: over the shard axis, or on
+    every device for a replicated stack."""
+    if self.is_replicated(stack_name):
+      return NamedSharding(self.mesh, P(*([None] * ndim)))
+    return self.sharding(ndim)
 
   def sharding(self, ndim: int) -> NamedSharding:
     """Leading axis over the shard axis's mesh axes, the rest replicated."""

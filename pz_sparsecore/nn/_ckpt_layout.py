@@ -247,7 +247,7 @@ def relayout(
       `read_sharding`.
     sources: Per member table of `target` (in its row order), where it is.
     target: The new stack's layout.
-    sharding: The new stack's sharding (the layer's `topology.sharding(3)`).
+    sharding: The new stack's sharding (`topology.table_sharding(stack)`).
 
   Returns:
     The `[N, V_shard, D]` stack; padding rows and columns are zero.

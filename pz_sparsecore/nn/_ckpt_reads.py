@@ -5,7 +5,7 @@ restore arguments (array key → sharding, global shape, dtype) and, per
 variable, the way to build its value:
 
 * a stack whose stored layout equals the model's is read straight into the
-  layer's shards (`topology.sharding(3)`);
+  layer's shards (`topology.table_sharding(stack)`);
 * any other stack reads every stored stack its tables come from, sharded
   over the model's mesh (`_ckpt_layout.read_sharding`), and `relayout`
   moves the rows on device;
@@ -48,12 +48,14 @@ class StackRead:
 
   Attributes:
     config: The layer's config.
+    stack: The stack's name in the layer.
     target: The model's layout of the stack.
     keys: The stored arrays it comes from.
     sources: None to take `keys[0]` as it is, else the relayout's sources.
   """
 
   config: EmbedConfig
+  stack: str
   target: StackLayout
   keys: tuple[str, ...]
   sources: tuple[Source, ...] | None
@@ -62,8 +64,12 @@ class StackRead:
     stored = [arrays[key] for key in self.keys]
     value = stored[0]
     if self.sources is not None:
-      sharding = self.config.topology.sharding(3)
-      value = relayout(stored, self.sources, self.target, sharding)
+      # Rows move between shards as a sharded stack's do; a replicated
+      # stack is then copied to every device.
+      topology = self.config.topology
+      value = relayout(stored, self.sources, self.target, topology.sharding(3))
+      if topology.is_replicated(self.stack):
+        value = jax.device_put(value, topology.table_sharding(self.stack))
     return named_table(self.config, value)
 
 
@@ -100,12 +106,13 @@ def _sources(
 
 
 def _stack_args(
-  entry: Mapping[str, Any], embed: SparseCoreEmbed, direct: bool
+  entry: Mapping[str, Any], embed: SparseCoreEmbed, stack: str, direct: bool
 ) -> ocp.ArrayRestoreArgs:
-  """Reads a stored stack into the layer's shards, or for a relayout."""
+  """Reads a stored stack into the layer's shards (or copies, for a
+  replicated stack), or for a relayout."""
   layout = StackLayout.from_json(entry["layout"])
   topology = embed.config.topology
-  sharding, shape = topology.sharding(3), layout.shape
+  sharding, shape = topology.table_sharding(stack), layout.shape
   if not direct:
     sharding, shape = read_sharding(layout, topology)
   return ocp.ArrayRestoreArgs(
@@ -131,8 +138,10 @@ def _embed_reads(
     for array, label in labels.items():
       keys = tuple(stacks[name]["arrays"][array] for name in names)
       for name, key in zip(names, keys, strict=True):
-        args[key] = _stack_args(stacks[name], embed, sources is None)
-      out[label] = StackRead(config, target, keys, sources)
+        args[key] = _stack_args(
+          stacks[name], embed, stack.name, sources is None
+        )
+      out[label] = StackRead(config, stack.name, target, keys, sources)
   return out
 
 

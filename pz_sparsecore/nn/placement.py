@@ -101,7 +101,9 @@ def _axes(value: Any) -> tuple[str, ...]:
   return (value,) if isinstance(value, str) else tuple(value)
 
 
-def _misplaced(embed: SparseCoreEmbed, var: Any) -> jax.Array | None:
+def _misplaced(
+  embed: SparseCoreEmbed, stack: str, var: Any
+) -> jax.Array | None:
   """The variable's array if it is concrete and not laid out as expected."""
   if not isinstance(var, pz.Parameter | pz.StateVariable):
     return None
@@ -111,7 +113,7 @@ def _misplaced(embed: SparseCoreEmbed, var: Any) -> jax.Array | None:
   array = positional_table(embed.config, value)
   if isinstance(array, jax.core.Tracer) or not isinstance(array, jax.Array):
     return None
-  want = embed.config.topology.sharding(3)
+  want = embed.config.topology.table_sharding(stack)
   if array.sharding.is_equivalent_to(want, 3):
     return None
   return array
@@ -128,13 +130,15 @@ def place_tables(model: Any) -> list[str]:
   """
   moved = []
   for embed in find_embeds(model):
-    variables = [*embed.tables.values()]
-    variables += [v for slots in embed.slots.values() for v in slots.values()]
-    for var in variables:
-      array = _misplaced(embed, var)
+    variables = list(embed.tables.items())
+    variables += [
+      (stack, v) for stack, slots in embed.slots.items() for v in slots.values()
+    ]
+    for stack, var in variables:
+      array = _misplaced(embed, stack, var)
       if array is None:
         continue
-      want = embed.config.topology.sharding(3)
+      want = embed.config.topology.table_sharding(stack)
       var.value = named_table(embed.config, jax.device_put(array, want))
       moved.append(var.label)
   if moved:
@@ -147,6 +151,15 @@ def place_tables(model: Any) -> list[str]:
       stacklevel=3,
     )
   return moved
+
+
+def model_platform(model: Any) -> str:
+  """The platform of `model`'s first SparseCore layer's mesh (the default
+  backend's without one)."""
+  embeds = find_embeds(model)
+  if not embeds:
+    return jax.default_backend()
+  return embeds[0].config.topology.mesh.devices.flat[0].platform
 
 
 def committed_to_mesh(tree: Any, model: Any) -> Any:

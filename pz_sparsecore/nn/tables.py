@@ -200,8 +200,8 @@ def _write_logical(
       table, np.arange(table.vocabulary_size), plan.num_shards
     )
     flat[rows, : table.embedding_dim] = np.asarray(value, np.float32)
-  sharding = embed.config.topology.sharding(3)
-  return {k: from_host(v, sharding) for k, v in changed.items()}
+  topo = embed.config.topology
+  return {k: from_host(v, topo.table_sharding(k)) for k, v in changed.items()}
 
 
 def set_logical_tables(

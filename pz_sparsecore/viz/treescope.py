@@ -205,13 +205,22 @@ def mapping_line(mapping: Any) -> str:
 
 def embed_details(embed: Any) -> list[str]:
   """The stacks of a `SparseCoreEmbed`: `stack_details` lines, each stack
-  followed by the exchange it uses on the layer's topology and why."""
+  followed by its placement and the exchange it uses on the layer's
+  topology and why."""
   plan, topology = embed.config.plan, embed.config.topology
   lines = [mapping_line(embed.config.axis_mapping)]
   for stack in plan.stacks:
     lines += stack_details(plan, stack)
+    lines.append(f"  placement: {placement_of(topology, stack.name)}")
     lines.append(f"  exchange: {topology.exchange_of(stack).reason}")
   return lines
+
+
+def placement_of(topology: Any, stack: str) -> str:
+  """`"replicated on every device"` or `"sharded over <axis>"`."""
+  if topology.is_replicated(stack):
+    return f"replicated on every device ({topology.num_devices} copies)"
+  return f"sharded over {topology.axis!r}"
 
 
 def spec_summary(spec: Any) -> str:

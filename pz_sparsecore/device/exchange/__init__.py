@@ -46,8 +46,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from types import ModuleType
+from typing import Any
 
-from pz_sparsecore.device.exchange import activations, local, rows
+from pz_sparsecore.device.exchange import activations, local, replicated, rows
 from pz_sparsecore.device.exchange.base import (
   ExchangeBytes,
   Mode,
@@ -59,14 +60,19 @@ AUTO = "auto"
 ACTIVATIONS = activations.NAME
 ROWS = rows.NAME
 LOCAL = local.NAME
+REPLICATED = replicated.NAME
 MODULES: Mapping[str, ModuleType] = {
-  m.NAME: m for m in (local, activations, rows)
+  m.NAME: m for m in (local, activations, rows, replicated)
 }
 """Every exchange mode's module (`base.Mode`), by name: a new mode is one
 more module of this package, listed here."""
-_CROSSING = tuple(m.NAME for m in MODULES.values() if m.CROSSES_DEVICES)
-"""The modes that cross devices, in the order `auto` prefers on a tie
-(the later one)."""
+_CROSSING = tuple(
+  m.NAME
+  for m in MODULES.values()
+  if m.CROSSES_DEVICES and getattr(m, "SHARDED", True)
+)
+"""The modes that exchange a sharded stack across devices, in the order
+`auto` prefers on a tie (the later one)."""
 MODES = (AUTO, *_CROSSING)
 """What `SparseCoreEmbed.from_config(exchange=...)` accepts."""
 
@@ -93,11 +99,13 @@ def predict_bytes(
   dim: int,
   max_ids_per_partition: int,
   max_unique_ids_per_partition: int,
+  table_rows: int = 0,
 ) -> ExchangeBytes:
   """Predicted collective bytes per device per step for one stack.
 
   Args:
-    mode: `"activations"` or `"rows"` (each mode's `predicted_bytes`).
+    mode: `"activations"`, `"rows"` or `"replicated"` (each mode's
+      `predicted_bytes`).
     num_devices: G; this and the other sizes as `base.Sizes` describes
       them.
     num_sc_per_device: S.
@@ -105,6 +113,8 @@ def predict_bytes(
     dim: The stack's width.
     max_ids_per_partition: The stack's limit of ids per partition.
     max_unique_ids_per_partition: Its limit of distinct ids per partition.
+    table_rows: Its rows, `N * V_shard` (the replicated placement needs
+      them).
 
   Returns:
     The bytes of the routing, the forward and the backward, each
@@ -122,15 +132,35 @@ def predict_bytes(
     dim=dim,
     max_ids_per_partition=max_ids_per_partition,
     max_unique_ids_per_partition=max_unique_ids_per_partition,
+    table_rows=table_rows,
   )
   for name, value in sizes._asdict().items():
-    if int(value) != value or value <= 0:
+    if int(value) != value or value < (name != "table_rows"):
       raise ValueError(f"{name} must be a positive integer, got {value!r}")
-  if mode not in _CROSSING:
-    raise ValueError(f"exchange mode must be one of {_CROSSING}, got {mode!r}")
+  if mode not in (*_CROSSING, REPLICATED):
+    raise ValueError(
+      f"exchange mode must be one of {(*_CROSSING, REPLICATED)}, got {mode!r}"
+    )
   if int(num_devices) == 1:
     return ExchangeBytes(0, 0, 0)
   return MODULES[mode].predicted_bytes(Sizes(*(int(v) for v in sizes)))
+
+
+def stack_sizes(
+  stack: Any, num_devices: int, num_sc_per_device: int
+) -> dict[str, int]:
+  """`predict_bytes`' sizes of one planned stack (a `core.plan.StackPlan`)
+  on `num_devices` x `num_sc_per_device`."""
+  spec = stack.spec
+  return dict(
+    num_devices=num_devices,
+    num_sc_per_device=num_sc_per_device,
+    samples_per_device=stack.samples_per_sc * num_sc_per_device,
+    dim=stack.dim,
+    max_ids_per_partition=spec.max_ids_per_partition,
+    max_unique_ids_per_partition=spec.max_unique_ids_per_partition,
+    table_rows=stack.rows_per_shard * num_devices * num_sc_per_device,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +168,8 @@ class Exchange:
   """The exchange one stack uses, and why.
 
   Attributes:
-    mode: `"activations"`, `"rows"` or `"local"` (one device).
+    mode: `"activations"`, `"rows"`, `"local"` (one device) or
+      `"replicated"` (a stack held whole by every device).
     requested: What the layer was asked for (`"auto"` or a mode).
     by_mode: Predicted bytes of each mode that crosses devices.
   """
@@ -157,6 +188,12 @@ class Exchange:
     """One line: the mode and the predicted bytes behind it."""
     if self.mode == LOCAL:
       return "local: one device, nothing crosses devices"
+    if self.mode == REPLICATED:
+      sharded = min(self.by_mode[m].step for m in _CROSSING)
+      return (
+        f"replicated: on every device, {_kb(self.by_mode[REPLICATED].step)} "
+        f"per device per step (sharded: {_kb(sharded)})"
+      )
     how = "chosen" if self.requested == AUTO else "forced"
     costs = [
       f"{_kb(self.by_mode[m].step)}{' per device per step' * (i == 0)} with {m}"
@@ -228,6 +265,7 @@ __all__ = [
   "LOCAL",
   "MODES",
   "MODULES",
+  "REPLICATED",
   "ROWS",
   "Exchange",
   "ExchangeBytes",
@@ -238,4 +276,5 @@ __all__ = [
   "compiled_bytes",
   "mode_module",
   "predict_bytes",
+  "stack_sizes",
 ]

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Protocol
 import jax
 
 from pz_sparsecore.core.plan import StackPlan
+from pz_sparsecore.device.kernels import contract
 
 VALUE_BYTES = 4
 """Bytes of one id, row pointer, gain or activation value (32 bits)."""
@@ -36,6 +37,8 @@ class Sizes(NamedTuple):
     dim: The stack's (padded) width.
     max_ids_per_partition: The stack's limit of ids per partition.
     max_unique_ids_per_partition: Its limit of distinct ids per partition.
+    table_rows: The stack's rows, `N * V_shard` (the replicated
+      placement all-reduces a gradient of that many rows); 0 if unknown.
   """
 
   num_devices: int
@@ -44,10 +47,30 @@ class Sizes(NamedTuple):
   dim: int
   max_ids_per_partition: int
   max_unique_ids_per_partition: int
+  table_rows: int = 0
 
 
 Buffers = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
 """One device's `(row_pointers, embedding_ids, sample_ids, gains)`."""
+
+
+def own_buffer_shape(
+  stack: StackPlan, num_devices: int, num_sc_per_device: int
+) -> contract.BufferShape:
+  """The shape of one device's own buffers: its `S` segments against all
+  `N` partitions of the stack (for decoding them on the device)."""
+  n = num_devices * num_sc_per_device
+  return contract.BufferShape(
+    num_segments=num_sc_per_device,
+    samples_per_segment=stack.samples_per_sc,
+    num_partitions=n,
+    rows_per_partition=stack.rows_per_shard,
+    partition_begin=0,
+    num_table_partitions=n,
+    seg_len=stack.coo_per_sc,
+    rp_stride=stack.row_pointers_per_sc,
+    dim=stack.dim,
+  )
 
 
 class Mode(Protocol):

@@ -52,8 +52,9 @@ from pz_sparsecore.device.exchange.base import (
   Buffers,
   ExchangeBytes,
   Sizes,
+  own_buffer_shape,
 )
-from pz_sparsecore.device.kernels import contract, reference
+from pz_sparsecore.device.kernels import reference
 
 NAME = "rows"
 CROSSES_DEVICES = True
@@ -86,17 +87,7 @@ def route(stack: StackPlan, g: int, s: int, rp, ids, sids) -> Routing:
   n, c, v = g * s, stack.coo_per_sc, stack.rows_per_shard
   wu = stack.unique_window
   cap = wu // s
-  shape = contract.BufferShape(
-    num_segments=s,
-    samples_per_segment=stack.samples_per_sc,
-    num_partitions=n,
-    rows_per_partition=v,
-    partition_begin=0,
-    num_table_partitions=n,
-    seg_len=c,
-    rp_stride=stack.row_pointers_per_sc,
-    dim=stack.dim,
-  )
+  shape = own_buffer_shape(stack, g, s)
   valid, table_row, _ = reference.decode_entries(rp, ids, sids, shape)
   valid, table_row = valid.reshape(s, c), table_row.reshape(s, c)
   previous = jnp.pad(table_row[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
