@@ -3,11 +3,8 @@
 For every optimizer, with and without `check_finite`, on one device and on
 a mesh: the table keeps its buffers across a step, and the compiled step
 has no table-sized operation besides the parameters, the fused update's
-custom call, the O(batch) in-place scatter that takes back a refused update
-(a fusion rooted in a scatter or dynamic-update-slice, or, with the CPU
-defaults' classic emitters, XLA's scatter loop: a `while` of a known trip
-count under the batch whose body only writes rows in place), and tuples or
-bitcasts of them; nor a table-sized temporary buffer.
+custom call, the O(batch) in-place scatter that takes back a refused update,
+and tuples or bitcasts of them; nor a table-sized temporary buffer.
 """
 
 from __future__ import annotations
@@ -127,36 +124,10 @@ def _fused_roots(hlo: str) -> dict[str, str]:
   return roots
 
 
-def _computation(hlo: str, name: str) -> str:
-  """The body text of computation `name`."""
-  start = re.search(rf"^%?{re.escape(name)} .*\{{\s*$", hlo, re.M)
-  assert start, name
-  return hlo[start.end() : hlo.index("\n}", start.end())]
-
-
-def _row_loop(hlo: str, line: str, elements: int) -> bool:
-  """Whether a `call` is XLA's scatter loop: its computation's root is a
-  `while` with a known trip count under `elements`, whose body has no
-  table-sized operation but in-place row writes."""
-  called = re.search(r"to_apply=%?([\w.\-]+)", line)
-  if not called:
-    return False
-  body = _computation(hlo, called.group(1))
-  root = [x for x in body.splitlines() if x.strip().startswith("ROOT")]
-  trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', root[0])
-  loop = re.search(r"body=%?([\w.\-]+)", root[0])
-  if " while(" not in root[0] or not trips or not loop:
-    return False
-  if int(trips.group(1)) >= elements:
-    return False
-  return not _table_sized(hlo, elements, _computation(hlo, loop.group(1)))
-
-
-def _table_sized(hlo: str, elements: int, body: str | None = None) -> list:
-  """Instructions (of the entry computation, or `body`) with a table-sized
-  array that may touch every row."""
+def _table_sized(hlo: str, elements: int) -> list[str]:
+  """Entry instructions with a table-sized array that may touch every row."""
   roots = _fused_roots(hlo)
-  entry = hlo[hlo.index("ENTRY") :] if body is None else body
+  entry = hlo[hlo.index("ENTRY") :]
   offenders = []
   for line in entry.splitlines():
     match = _INSTRUCTION.match(line.strip())
@@ -181,8 +152,6 @@ def _table_sized(hlo: str, elements: int, body: str | None = None) -> list:
         "dynamic-update-slice",
       )
     ):
-      continue
-    if opcode == "call" and _row_loop(hlo, line, elements):
       continue
     offenders.append(line.strip()[:240])
   return offenders

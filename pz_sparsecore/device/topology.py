@@ -21,27 +21,6 @@ from pz_sparsecore.core import buffer_format
 from pz_sparsecore.core.plan import Plan, StackPlan
 from pz_sparsecore.device import exchange as exchange_lib
 
-CPU_COMPILER_OPTIONS: dict[str, Any] = {"xla_cpu_use_fusion_emitters": False}
-"""XLA options the library's own jits (the trainer's step, `variable_jit`)
-compile with on CPU unless the caller's `compiler_options` say otherwise.
-
-XLA's CPU fusion emitters (on by default) generate every fusion through
-MLIR: the 26-table DLRM's train step (193 fusions, most of them the per
-feature slices and stacks around the embeddings) compiles in 3.2-3.6 s with
-them and 1.6-2.0 s without, and its step time stays the same or drops
-(`benchmarks/dlrm.py`, docs/benchmarks.md). The kernels are custom calls,
-unaffected."""
-
-
-def compiler_options(
-  platform: str, given: dict[str, Any] | None = None
-) -> dict[str, Any]:
-  """The options a library jit on `platform` compiles with: the platform's
-  defaults (`CPU_COMPILER_OPTIONS` on CPU), overridden by `given`."""
-  options = dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else {}
-  options.update(given or {})
-  return options
-
 
 @dataclasses.dataclass(frozen=True)
 class Topology:

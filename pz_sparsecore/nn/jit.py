@@ -56,7 +56,6 @@ import jax
 import numpy as np
 from penzai import pz
 
-from pz_sparsecore.device import topology as topology_lib
 from pz_sparsecore.nn.placement import committed_to_mesh, place_tables
 from pz_sparsecore.nn.ties import check_untied
 
@@ -330,11 +329,16 @@ class _VariableJitted:
 
   def __init__(self, fun, donate_variables, jit_kwargs):
     self._fun = fun
-    self._donate_variables = donate_variables
-    self._jit_kwargs = jit_kwargs
-    # Built on the first call, when the backend (which sets the default
-    # compiler options) is known.
-    self._jits: tuple[Any, Any] | None = None
+    self._jitted = jax.jit(
+      _traced(fun), **_jit_options(donate_variables, jit_kwargs)
+    )
+    # The fast path passes each argument as a static structure and its
+    # array leaves; only when no jit option names the function's arguments.
+    self._flat = None
+    if not _NAMING_OPTIONS & set(jit_kwargs):
+      options = _jit_options(donate_variables, jit_kwargs)
+      options["static_argnames"] = (*options["static_argnames"], "structures")
+      self._flat = jax.jit(_traced_flat(fun), **options)
     # Argument structure and shapes → the written set last found for them.
     self._guesses: dict[Any, tuple[int, ...]] = {}
     # id → (weak reference, unbinding) of the last arguments with variables.
@@ -436,30 +440,6 @@ class _VariableJitted:
       None,
     )
 
-  def _jitted_pair(self) -> tuple[Any, Any]:
-    """`jax.jit` of the bound function, and of its fast path (or None)."""
-    if self._jits is None:
-      kwargs = dict(self._jit_kwargs)
-      kwargs["compiler_options"] = topology_lib.compiler_options(
-        jax.default_backend(), kwargs.get("compiler_options")
-      )
-      jitted = jax.jit(
-        _traced(self._fun), **_jit_options(self._donate_variables, kwargs)
-      )
-      # The fast path passes each argument as a static structure and its
-      # array leaves; only when no jit option names the function's
-      # arguments.
-      flat = None
-      if not _NAMING_OPTIONS & set(kwargs):
-        options = _jit_options(self._donate_variables, kwargs)
-        options["static_argnames"] = (
-          *options["static_argnames"],
-          "structures",
-        )
-        flat = jax.jit(_traced_flat(self._fun), **options)
-      self._jits = (jitted, flat)
-    return self._jits
-
   def _run(self, lower: bool, args: Any, kwargs: Any):
     """Calls the jitted function (or its `lower`) with its written set.
 
@@ -471,17 +451,16 @@ class _VariableJitted:
       place_tables((args, kwargs))
     frozen = [self._freeze(var) for var in variables]
     writes = self._guesses.get(key, ())
-    jitted, fast = self._jitted_pair()
     for _ in range(2):
       read = [v for i, v in enumerate(frozen) if i not in writes]
       written = [frozen[i] for i in writes]
       try:
-        if flat is not None and fast is not None:
-          method = fast.lower if lower else fast
+        if flat is not None and self._flat is not None:
+          method = self._flat.lower if lower else self._flat
           extras = {_READ: read, _WRITTEN: written, _WRITES: writes}
           out = method(*flat, **extras)
         else:
-          method = jitted.lower if lower else jitted
+          method = self._jitted.lower if lower else self._jitted
           extras = {_READ: read, _WRITTEN: written, _WRITES: writes}
           out = method(*args_slots, **kwargs_slots, **extras)
       except _WrittenSetChanged as changed:
@@ -522,9 +501,7 @@ def variable_jit(
     donate_variables: Donate the variables the call writes, so their updates
       (the fused table updates included) happen in place.
     **jit_kwargs: Passed to `jax.jit` (donated keyword arguments through
-      `donate_argnames`); `compiler_options` go over the platform's
-      defaults (`pz_sparsecore.device.topology.CPU_COMPILER_OPTIONS` on
-      CPU, as the trainer's step).
+      `donate_argnames`).
 
   Returns:
     The jitted function (with a `lower` method like `jax.jit`'s); a call

@@ -153,15 +153,6 @@ def place_tables(model: Any) -> list[str]:
   return moved
 
 
-def model_platform(model: Any) -> str:
-  """The platform of `model`'s first SparseCore layer's mesh (the default
-  backend's without one)."""
-  embeds = find_embeds(model)
-  if not embeds:
-    return jax.default_backend()
-  return embeds[0].config.topology.mesh.devices.flat[0].platform
-
-
 def committed_to_mesh(tree: Any, model: Any) -> Any:
   """`tree` with its uncommitted arrays put on `model`'s mesh, replicated.
 
