@@ -252,6 +252,16 @@ def test_auto_placement_follows_the_cost_model():
   text = pzsc.viz.describe(embed)
   assert "placement: replicated on every device (8 copies)" in text
   assert "placement: sharded over 'device'" in text
+  # The figures say which stacks every device holds whole.
+  note = "replicated: each of the 8 devices holds all 8 shards"
+  for stack in plan.stacks:
+    figure = pzsc.viz.to_html(
+      pzsc.viz.shard_map_figure(embed, stack=stack.name)
+    )
+    assert (note in figure) == topo.is_replicated(stack.name)
+  owner = pzsc.viz.to_html(pzsc.viz.row_owner_figure(embed, "tiny"))
+  assert note in owner
+  assert note not in pzsc.viz.to_html(pzsc.viz.row_owner_figure(embed, "big"))
   # The memory bound: nothing fits in 1 KB; one device: nothing replicated.
   small = _layer(optimizer, "auto", rng=None)
   bound = pzsc.SparseCoreEmbed.from_config(

@@ -325,6 +325,19 @@ def _shard_map_image(
   return image, banded
 
 
+def _replicated_note(embed_or_specs: Any, stack: str) -> list[str]:
+  """A line saying the stack is replicated, for a layer that replicates
+  it (none otherwise)."""
+  config = getattr(embed_or_specs, "config", None)
+  topology = getattr(config, "topology", None)
+  if topology is None or not topology.is_replicated(stack):
+    return []
+  return [
+    f"replicated: each of the {topology.num_devices} devices holds all "
+    f"{config.plan.num_shards} shards below (the layout every copy shares)"
+  ]
+
+
 def _shard_map_key(stack: StackPlan, banded: bool) -> list[str]:
   """What the bars and cells of a shard map mean (above the colour legend)."""
   bar = (
@@ -398,6 +411,7 @@ def shard_map_figure(
         f"stack {stack_plan.name!r}: {n} shards ({g} devices x {s} SC), "
         f"{stack_plan.rows_per_shard} rows/shard x {stack_plan.dim}"
       ),
+      *_replicated_note(embed_or_specs, stack_plan.name),
       image,
       *_shard_map_key(stack_plan, banded),
       *_table_legend(stack_plan, n),
@@ -426,7 +440,8 @@ def row_placement(
   Returns:
     Arrays shaped like `ids`: "id", "shard", "device", "sparsecore",
     "row_in_shard" and "physical_row" (flat row of the `[N * V_shard, D]`
-    stack).
+    stack). For a stack the layer replicates, every device holds every
+    shard; "device" is then the device of the shard in the layout.
 
   Raises:
     ValueError: On an unknown table or an id outside the vocabulary.
@@ -517,6 +532,7 @@ def row_owner_figure(
       f"(i % {n} + {setting.shard_rotation}) % {n}, at row "
       f"{setting.row_offset_in_shard} + i // {n}"
     ),
+    *_replicated_note(embed_or_specs, setting.stack_name),
     image,
     header,
     *rows,
