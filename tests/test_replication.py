@@ -170,7 +170,8 @@ def test_replicated_lookup_equals_a_numpy_gather_and_one_adagrad_step_numpy():
         np.testing.assert_array_equal(copy, copies[0], err_msg=name)
 
 
-@pytest.mark.parametrize("g,s", [(8, 1), (4, 2)])
+# 4 devices x 2 SparseCores (8 x 1 is the numpy test's topology).
+@pytest.mark.parametrize("g,s", [(4, 2)])
 def test_replicated_adam_with_guard_trains_as_sharded(g, s):
   """Three Adam steps with `check_finite` (so the guarded update path):
   tables and both slots equal the all-sharded layer's; the rows no batch
