@@ -108,12 +108,7 @@ def cost(plan: Plan, stack: StackPlan) -> Cost:
 def check_placement(placement: Any, table_names: Any) -> None:
   """Raises a `ValueError` unless `placement` is `"auto"`, `"sharded"`,
   or a mapping of known table names to `PLACEMENTS`."""
-  if isinstance(placement, str):
-    if placement not in (AUTO, SHARDED):
-      raise ValueError(
-        f"placement must be 'auto', 'sharded' or a dict table name -> "
-        f"{PLACEMENTS}, got {placement!r}"
-      )
+  if placement in (AUTO, SHARDED):
     return
   if not isinstance(placement, Mapping):
     raise ValueError(

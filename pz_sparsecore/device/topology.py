@@ -88,7 +88,7 @@ class Topology:
       max_ids_per_partition=spec.max_ids_per_partition,
       max_unique_ids_per_partition=spec.max_unique_ids_per_partition,
     )
-    if stack.name not in self.replicated or chosen.mode == exchange_lib.LOCAL:
+    if not self.is_replicated(stack.name):
       return chosen
     by_mode = dict(chosen.by_mode)
     by_mode[exchange_lib.REPLICATED] = exchange_lib.predict_bytes(
