@@ -12,12 +12,19 @@ Per device, under `shard_map`, every stack goes through its *exchange*
 and picked per stack by `Topology.exchange_of`): the mode's `lookup` gives
 the stack's `[S*B_sc, D]` activations, sliced here into each feature's (its
 `n_f` samples at offset `row_offset / N` of every SparseCore block, its
-first `dim_f` columns); for the fused update the mode's `owner_operands`
-bring the gradient and buffers to the owner, whose FFI backward sums every
-referenced row's gradient over all of them and applies the optimizer once
-to the row and its slots, in place. The full table never leaves its
-devices. Minibatched buffers run the same per-device functions once per
-minibatch (`minibatching`); `guard` reads what undoing an update needs.
+first `dim_f` columns). `lookup` and `apply_gradients` move a stack's
+features as *groups* (`feature_groups`: runs of features adjacent in the
+buffers with the same samples and width) of one `[samples, k, dim_f]` array
+each, split into features (and their gradients stacked back) outside
+`shard_map`: XLA then compiles one slice per group instead of one per
+feature, and a model that stacks the features along axis 1 again (a DLRM's
+interaction) gets the group array back without a copy. For the fused
+update the mode's `owner_operands` bring the gradient and buffers to the
+owner, whose FFI backward sums every referenced row's gradient over all of
+them and applies the optimizer once to the row and its slots, in place.
+The full table never leaves its devices. Minibatched buffers run the same
+per-device functions once per minibatch (`minibatching`); `guard` reads
+what undoing an update needs.
 """
 
 from __future__ import annotations
@@ -31,7 +38,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pz_sparsecore.core.plan import Plan, StackPlan, single_minibatch
+from pz_sparsecore.core.plan import (
+  FeaturePlan,
+  Plan,
+  StackPlan,
+  single_minibatch,
+)
 from pz_sparsecore.core.preprocessed import PreprocessedInput
 from pz_sparsecore.device import exchange as exchange_lib
 from pz_sparsecore.device import guard as guard_lib
@@ -57,8 +69,43 @@ def _local_buffers(stack: StackPlan, inputs: PreprocessedInput):
   )
 
 
+def feature_groups(stack: StackPlan) -> tuple[tuple[FeaturePlan, ...], ...]:
+  """The stack's features in runs that share one `[samples, k, dim]` array:
+  adjacent in the buffers (each one's samples right after the previous
+  one's), with the same samples per SparseCore and the same width.
+
+  Example: features a, b (2,048 samples, width 16) then c (2,048, width 8)
+  make the groups `(a, b)` and `(c,)`.
+  """
+  groups: list[list[FeaturePlan]] = []
+  for f in stack.features:
+    last = groups[-1][-1] if groups else None
+    if (
+      last is not None
+      and f.samples_per_sc == last.samples_per_sc
+      and f.dim == last.dim
+      and f.sample_offset == last.sample_offset + last.samples_per_sc
+    ):
+      groups[-1].append(f)
+    else:
+      groups.append([f])
+  return tuple(tuple(g) for g in groups)
+
+
+def _groups(plan: Plan):
+  """`((stack name, index), features)` of every group of the plan."""
+  for stack in plan.stacks:
+    for i, group in enumerate(feature_groups(stack)):
+      yield (stack.name, i), group
+
+
 def _local_lookup(
-  stack: StackPlan, topo: Topology, table, inputs, unstack: bool = True
+  stack: StackPlan,
+  topo: Topology,
+  table,
+  inputs,
+  unstack: bool = True,
+  grouped: bool = False,
 ):
   s, b = topo.num_sc_per_device, stack.samples_per_sc
   mode = topo.exchange_of(stack).module
@@ -66,6 +113,14 @@ def _local_lookup(
   if not unstack:
     return {stack.name: acts.reshape(s * b, stack.dim)}
   acts = acts.reshape(s, b, stack.dim)
+  if grouped:
+    out = {}
+    for i, group in enumerate(feature_groups(stack)):
+      f, k, n = group[0], len(group), group[0].samples_per_sc
+      x = acts[:, f.sample_offset : f.sample_offset + k * n, : f.dim]
+      x = x.reshape(s, k, n, f.dim).transpose(0, 2, 1, 3)
+      out[stack.name, i] = x.reshape(s * n, k, f.dim)
+    return out
   return {
     f.name: acts[
       :, f.sample_offset : f.sample_offset + f.samples_per_sc, : f.dim
@@ -93,7 +148,7 @@ def _local_update(
   slot value is finite (all O(batch)). With bounds in `options`, the rows
   the batch updates are clipped to them (O(batch), in place).
   """
-  stacked = _stacked_grad(stack, topo, grads, options.stacked_grads)
+  stacked = _stacked_grad(stack, topo, grads, options)
   stacked, buffers, shape = _owner_operands(stack, topo, inputs, stacked)
   slots = tuple(slots)
   bounds = options.bounds.get(stack.name)
@@ -142,23 +197,35 @@ class UpdateOptions:
   Attributes:
     stacked_grads: The gradients are per stack (`[S * B_sc, D]`, the
       features' samples stacked as in the buffers) instead of per feature.
+    grouped_grads: The gradients are per group of features (`(stack name,
+      index)` -> `[S * n, k, dim]`, `feature_groups`) instead of per
+      feature.
     bounds: Stack name -> `(min, max)` (either None for no bound): every
       row the batch updates is clipped to it after the optimizer.
   """
 
   stacked_grads: bool = False
+  grouped_grads: bool = False
   bounds: Mapping[str, tuple[Any, Any]] = dataclasses.field(
     default_factory=dict
   )
 
 
-def _stacked_grad(stack: StackPlan, topo: Topology, grads, stacked: bool):
+def _stacked_grad(
+  stack: StackPlan, topo: Topology, grads, options: UpdateOptions
+):
   """The `[S * B_sc, D]` gradient of the stack's local activations."""
-  if stacked:
+  if options.stacked_grads:
     return jnp.reshape(grads[stack.name], (-1, stack.dim))
   s = topo.num_sc_per_device
   parts = []
-  for f in stack.features:
+  if options.grouped_grads:
+    for i, group in enumerate(feature_groups(stack)):
+      f, k, n = group[0], len(group), group[0].samples_per_sc
+      grad = grads[stack.name, i].reshape(s, n, k, f.dim)
+      grad = grad.transpose(0, 2, 1, 3).reshape(s, k * n, f.dim)
+      parts.append(jnp.pad(grad, ((0, 0), (0, 0), (0, stack.dim - f.dim))))
+  for f in () if options.grouped_grads else stack.features:
     grad = grads[f.name].reshape(s, f.samples_per_sc, f.dim)
     parts.append(jnp.pad(grad, ((0, 0), (0, 0), (0, stack.dim - f.dim))))
   return jnp.concatenate(parts, axis=1).reshape(-1, stack.dim)
@@ -184,19 +251,24 @@ def local_lookup(
   inputs,
   *,
   unstack: bool = True,
-) -> dict[str, jax.Array]:
+  grouped: bool = False,
+) -> dict[Any, jax.Array]:
   """Per device, inside `shard_map`: feature name -> local activations.
 
   `tables` hold the device's shards (`[S, V_shard, D]` or `[S * V_shard,
   D]`), `inputs` its buffers; activations are `[S * n_f, dim_f]`. Without
   `unstack`, stack name -> the stack's `[S * B_sc, D]` activations (its
   features' samples stacked as in the buffers, padded to the stack's dim).
+  With `grouped`, `(stack name, index)` -> the group's `[S * n, k, dim]`
+  activations (`feature_groups`).
   """
   if inputs.num_minibatches is not None:
-    return _minibatched_lookup(plan, topo, tables, inputs, unstack)
+    return _minibatched_lookup(plan, topo, tables, inputs, unstack, grouped)
   out = {}
   for stack in plan.stacks:
-    out.update(_local_lookup(stack, topo, tables[stack.name], inputs, unstack))
+    out.update(
+      _local_lookup(stack, topo, tables[stack.name], inputs, unstack, grouped)
+    )
   return out
 
 
@@ -244,14 +316,18 @@ def local_update(
 # `plan.single_minibatch(plan)`.
 
 
-def _minibatched_lookup(plan: Plan, topo: Topology, tables, inputs, unstack):
+def _minibatched_lookup(
+  plan: Plan, topo: Topology, tables, inputs, unstack, grouped
+):
   """The minibatches' activations, summed (a sample's ids may lie in
   several)."""
   small = single_minibatch(plan)
 
   def lookup(m):
     part = minibatching.minibatch_inputs(plan, inputs, m)
-    return local_lookup(small, topo, tables, part, unstack=unstack)
+    return local_lookup(
+      small, topo, tables, part, unstack=unstack, grouped=grouped
+    )
 
   def body(m, acts):
     part = lookup(m)
@@ -307,18 +383,23 @@ def _lookup_impl(static, tables, inputs):
   plan, topo = static
 
   def body(tables, inputs):
-    return local_lookup(plan, topo, tables, inputs)
+    return local_lookup(plan, topo, tables, inputs, grouped=True)
 
-  return jax.shard_map(
+  groups = jax.shard_map(
     body,
     mesh=topo.mesh,
     in_specs=(
       {stack.name: topo.table_spec(stack.name) for stack in plan.stacks},
       _input_specs(topo, inputs),
     ),
-    out_specs={name: P(topo.axis) for name in plan.features},
+    out_specs={key: P(topo.axis) for key, _ in _groups(plan)},
     check_vma=False,
   )(tables, inputs)
+  out = {}
+  for key, features in _groups(plan):
+    for j, f in enumerate(features):
+      out[f.name] = groups[key][:, j]
+  return {name: out[name] for name in plan.features}
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -432,10 +513,17 @@ def apply_gradients(
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _apply_impl(static, guard, tables, slots, inputs, activation_grads, hyper):
   plan, topology = static
+  # One array per group: a model that took the features apart from a stack
+  # along axis 1 gets them back without copies.
+  grads = {
+    key: jnp.stack([activation_grads[f.name] for f in features], axis=1)
+    for key, features in _groups(plan)
+  }
+  options = UpdateOptions(grouped_grads=True)
 
   def body(tables, slots, inputs, grads, hyper):
     outs = local_update(
-      plan, topology, tables, slots, inputs, grads, hyper, guard
+      plan, topology, tables, slots, inputs, grads, hyper, guard, options
     )
     count = 3 if guard else 2
     return tuple({k: v[i] for k, v in outs.items()} for i in range(count))
@@ -463,12 +551,12 @@ def _apply_impl(static, guard, tables, slots, inputs, activation_grads, hyper):
       table_specs,
       slot_specs,
       _input_specs(topology, inputs),
-      {name: axis for name in activation_grads},
+      {key: axis for key in grads},
       {stack.name: P() for stack in plan.stacks},
     ),
     out_specs=tuple(out),
     check_vma=False,
-  )(tables, slots, inputs, activation_grads, hyper)
+  )(tables, slots, inputs, grads, hyper)
 
 
 def hyperparameters(plan: Plan, step: jax.Array | int):

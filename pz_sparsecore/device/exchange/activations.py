@@ -5,8 +5,9 @@ Forward, per device, under `shard_map`:
 1. *Route.* In each of its S segments the device cuts, for every owner `q`,
    the window that starts at the (8-aligned) start of partition `q*S` and is
    `W = S * r8(max_ids_per_partition)` entries long, the most those S
-   partitions can hold. The windows and their S row pointers (rebased to the
-   window start) go to their owners in one `all_to_all` per buffer.
+   partitions can hold. The windows of the ids, sample ids and gains and
+   their S row pointers (rebased to the window start) go to their owners in
+   one `all_to_all`, side by side (the gains' bits as int32).
 2. *Look up.* The owner runs the FFI kernel over the `G*S` received windows
    against its own S shards, producing partial activations for every source
    device's samples: `[G, S*B_sc, D]`.
@@ -74,14 +75,27 @@ def route(stack: StackPlan, topo: Any, rp, ids, sids, gains):
     )
     return jnp.take(padded.reshape(-1), index).swapaxes(0, 1)  # [G, S, W]
 
-  send = (
-    pointers.swapaxes(0, 1),
-    windows(ids, buffer_format.PAD_ID),
-    windows(sids, buffer_format.PAD_ID),
-    windows(gains, buffer_format.PAD_GAIN),
+  # One all_to_all of the four buffers side by side: each collective costs
+  # XLA a slice per device to compile.
+  send = jnp.concatenate(
+    [
+      pointers.swapaxes(0, 1),
+      windows(ids, buffer_format.PAD_ID),
+      windows(sids, buffer_format.PAD_ID),
+      jax.lax.bitcast_convert_type(
+        windows(gains, buffer_format.PAD_GAIN), jnp.int32
+      ),
+    ],
+    axis=2,
   )
-  return tuple(
-    jax.lax.all_to_all(x, topo.axis, 0, 0, tiled=True).reshape(-1) for x in send
+  got = jax.lax.all_to_all(send, topo.axis, 0, 0, tiled=True)
+  return (
+    got[:, :, :s].reshape(-1),
+    got[:, :, s : s + w].reshape(-1),
+    got[:, :, s + w : s + 2 * w].reshape(-1),
+    jax.lax.bitcast_convert_type(got[:, :, s + 2 * w :], gains.dtype).reshape(
+      -1
+    ),
   )
 
 
