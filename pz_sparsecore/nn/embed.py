@@ -310,22 +310,27 @@ def _draw_key(init: Any) -> Any:
   return key
 
 
-def _init_stack(
-  config: EmbedConfig, stack: plan_lib.StackPlan, key: jax.Array
+def _fill_stack(
+  config: EmbedConfig,
+  stack: plan_lib.StackPlan,
+  keys: jax.Array,
+  table: jax.Array,
 ) -> jax.Array:
   """One stack's `[N, V_shard, D]` table, initialised shard by shard in place.
 
-  The table is allocated once, sharded, then each device fills its local
-  shards one at a time into the donated buffer, so the initialisation needs
-  one shard of scratch, not a second table. Every member table of shard `g`
-  is drawn from key `g` of `split(key, N)` with shape `[V_member / N, D]`.
+  `table` is the zero table, allocated once, sharded; each device fills its
+  local shards one at a time into the donated buffer, so the initialisation
+  needs one shard of scratch, not a second table (one program filling every
+  shard in place still held three shards' copies per device). Every member
+  table of shard `g` is drawn from `keys[g]` with shape `[V_member / N, D]`.
   """
   topo = config.topology
-  n, s = topo.num_shards, topo.num_sc_per_device
-  keys = jax.random.split(key, n)
   axis = jax.sharding.PartitionSpec(topo.axis)
 
-  rows = [t.setting_in_stack.padded_vocab_size // n for t in stack.tables]
+  rows = [
+    t.setting_in_stack.padded_vocab_size // topo.num_shards
+    for t in stack.tables
+  ]
   groups: dict[Any, list[int]] = {}
   for i, t in enumerate(stack.tables):
     key_of_draw = _draw_key(t.initializer)
@@ -379,12 +384,8 @@ def _init_stack(
     ),
     donate_argnums=0,
   )
-  table = jax.jit(
-    lambda: jnp.zeros((n, stack.rows_per_shard, stack.dim), jnp.float32),
-    out_shardings=topo.sharding(3),
-  )()
-  for k in range(s):
-    table = fill_shard(table, keys, jnp.int32(k))
+  for k in range(topo.num_sc_per_device):
+    table = fill_shard(table, keys, np.int32(k))
   if topo.is_replicated(stack.name):
     # Drawn as the sharded stack is, then copied to every device: the same
     # values whichever the placement.
@@ -392,15 +393,64 @@ def _init_stack(
   return table
 
 
-def _init_slot(
-  config: EmbedConfig, stack: plan_lib.StackPlan, initializer
-) -> jax.Array:
-  shape = (config.topology.num_shards, stack.rows_per_shard, stack.dim)
-  fn = jax.jit(
-    lambda: _call_initializer(initializer, jax.random.key(0), shape),
-    out_shardings=config.topology.table_sharding(stack.name),
-  )
-  return fn()
+def _init_values(
+  config: EmbedConfig, init_base_rng: jax.Array
+) -> tuple[dict[str, jax.Array], dict[str, tuple[jax.Array, ...]]]:
+  """Every stack's table and slots, in three programs whatever the stacks'
+  number (a program per key derivation, table and slot took seven for one
+  stack).
+
+  The first derives every stack's keys (`split(pz.nn.derive_param_key(
+  init_base_rng, table label), N)`) and makes the zero tables; each stack's
+  table is then filled in place (`_fill_stack`); the last makes the slots
+  (their optimizer's initializers), once the fills' scratch is free.
+  """
+  topo = config.topology
+  stacks = config.plan.stacks
+  n = topo.num_shards
+
+  def shape(stack):
+    return (n, stack.rows_per_shard, stack.dim)
+
+  def prepare(base):
+    keys = {
+      s.name: jax.random.split(
+        pz.nn.derive_param_key(base, config.table_label(s.name)), n
+      )
+      for s in stacks
+    }
+    return keys, {s.name: jnp.zeros(shape(s), jnp.float32) for s in stacks}
+
+  def make_slots():
+    return {
+      s.name: tuple(
+        _call_initializer(init, jax.random.key(0), shape(s))
+        for init in s.optimizer.slot_variables_initializers()
+      )
+      for s in stacks
+    }
+
+  keys, tables = jax.jit(
+    prepare,
+    out_shardings=(
+      {s.name: topo.sharding(1) for s in stacks},
+      {s.name: topo.sharding(3) for s in stacks},
+    ),
+  )(init_base_rng)
+  tables = {
+    s.name: _fill_stack(config, s, keys[s.name], tables[s.name]) for s in stacks
+  }
+  slots = jax.jit(
+    make_slots,
+    out_shardings={
+      s.name: tuple(
+        topo.table_sharding(s.name)
+        for _ in s.optimizer.slot_variables_initializers()
+      )
+      for s in stacks
+    },
+  )()
+  return tables, slots
 
 
 def make_variables(
@@ -408,6 +458,8 @@ def make_variables(
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
   """Each stack's table and slots (variable slots if no key is given)."""
   tables, slots = {}, {}
+  if init_base_rng is not None:
+    values, slot_values = _init_values(config, init_base_rng)
   for stack in config.plan.stacks:
     label = config.table_label(stack.name)
     names = stack.optimizer.slot_names()
@@ -418,17 +470,15 @@ def make_variables(
         for slot in names
       }
       continue
-    key = pz.nn.derive_param_key(init_base_rng, label)
     tables[stack.name] = pz.Parameter(
-      value=named_table(config, _init_stack(config, stack, key)), label=label
+      value=named_table(config, values[stack.name]), label=label
     )
-    initializers = stack.optimizer.slot_variables_initializers()
     slots[stack.name] = {
       slot: pz.StateVariable(
-        value=named_table(config, _init_slot(config, stack, init)),
+        value=named_table(config, value),
         label=config.slot_label(stack.name, slot),
       )
-      for slot, init in zip(names, initializers, strict=True)
+      for slot, value in zip(names, slot_values[stack.name], strict=True)
     }
   return tables, slots
 
