@@ -224,8 +224,8 @@ def run_ours(train, test, warmup: int) -> dict:
     )
     return {
       "inputs": inputs,
-      "dense": jnp.asarray(dense),
-      "labels": jnp.asarray(labels),
+      "dense": dense,
+      "labels": labels,
     }
 
   compiles = _CompileCounter()

@@ -21,7 +21,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from penzai import pz
@@ -147,7 +146,7 @@ def run(optimizer: pzsc.OptimizerSpec, batches, held_out, mesh):
   losses = []
   for features, labels in batches:
     inputs, _ = trainer.model.embed.preprocess(features)
-    aux = trainer.step(inputs=inputs, labels=jnp.asarray(labels))
+    aux = trainer.step(inputs=inputs, labels=labels)
     losses.append(float(aux["loss"]))
   model = trainer.model
   forward = pzsc.variable_jit(lambda m, x: m(x))

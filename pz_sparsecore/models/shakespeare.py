@@ -181,7 +181,7 @@ def evaluate(model: NextWordModel, batches) -> dict[str, float]:
     inputs, _ = model.embed.preprocess(
       {FEATURE: context}, allow_id_dropping=True
     )
-    loss, correct = _eval_batch(model, inputs, jnp.asarray(labels))
+    loss, correct = _eval_batch(model, inputs, labels)
     total_loss += float(loss)
     total_correct += int(correct)
     count += len(labels)
@@ -282,7 +282,7 @@ def _prefetched(
     inputs, stats = embed.preprocess(
       {FEATURE: context}, batch_number=step, allow_id_dropping=True
     )
-    return inputs, stats, jnp.asarray(labels)
+    return inputs, stats, labels
 
   return prefetch(
     enumerate(itertools.islice(batches, count), first_step), prepare

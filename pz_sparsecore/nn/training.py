@@ -846,8 +846,8 @@ class SparseCoreTrainer(pz.Struct):
       batches: Raw batches (any iterable; may be infinite with `steps`).
       preprocess: Maps a raw batch to `step`'s keyword arguments, e.g.
         `lambda b: {"inputs": trainer.model.embed.preprocess(b["ids"])[0],
-        "labels": jnp.asarray(b["labels"])}`; None when `batches` holds them
-        already.
+        "labels": b["labels"]}` (host arrays: the step shards them over the
+        batch); None when `batches` holds them already.
       steps: Stop after this many steps (None: when `batches` ends). No
         batch past the last step is pulled from `batches`.
       depth: Preprocessed batches that may wait for the step.
