@@ -453,17 +453,6 @@ def _fill_item(w, batch, features, stacks, scalars, out):
   _write_segment(w, srt, entries, seg, scalars, out)
 
 
-@numba.njit(cache=True, nogil=True)
-def _warm_kernel(x):
-  return x + 1
-
-
-def warm() -> None:
-  """Initialises numba's CPU target (its first compile or cache load: about
-  1 s, 0.5 of it SciPy's import) through a trivial cached kernel."""
-  _warm_kernel(np.int64(1))
-
-
 @numba.njit(cache=True, parallel=True, nogil=True)
 def fill_buffers(batch, features, stacks, scalars, out):
   """Fills the output buffers and per-SparseCore stats of every work item.

@@ -15,7 +15,6 @@ same fill unbounded as its first pass.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -37,34 +36,6 @@ from pz_sparsecore.host import _fill_numba, coo_input, ragged_input
 # Serialises kernel launches: numba's fallback threading layer (workqueue)
 # aborts on concurrent parallel regions, and the kernels are parallel anyway.
 _KERNEL_LOCK = threading.Lock()
-_WARM_UP: threading.Thread | None = None
-_WARM_UP_LOCK = threading.Lock()
-
-
-def warm_up() -> None:
-  """Starts numba's CPU target initialisation in a background thread, once
-  per process (`SparseCoreEmbed.from_config` calls it): the first batch's
-  fill would otherwise wait about 1 s for it. The thread runs while the
-  caller builds and compiles (XLA releases the GIL); a fill that starts
-  before it ends waits for it (numba's compiler lock), and `os.fork` waits
-  for it too, so no child inherits numba's lock held."""
-  global _WARM_UP
-  with _WARM_UP_LOCK:
-    if _WARM_UP is not None:
-      return
-    _WARM_UP = threading.Thread(
-      target=_fill_numba.warm, name="pz_sparsecore-numba-warm-up", daemon=True
-    )
-    _WARM_UP.start()
-
-
-def _join_warm_up() -> None:
-  thread = _WARM_UP
-  if thread is not None and thread is not threading.current_thread():
-    thread.join()
-
-
-os.register_at_fork(before=_join_warm_up)
 _COMBINER_CODES = {
   "sum": _fill_numba.COMBINER_SUM,
   "mean": _fill_numba.COMBINER_MEAN,

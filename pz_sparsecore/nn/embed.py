@@ -43,7 +43,6 @@ from pz_sparsecore.core import plan as plan_lib
 from pz_sparsecore.core.specs import FeatureSpec
 from pz_sparsecore.device import input_check, replication, routing
 from pz_sparsecore.device import topology as topology_lib
-from pz_sparsecore.host import fill as fill_lib
 from pz_sparsecore.host.fill import LimitsExceededError
 from pz_sparsecore.host.preprocess import (
   PreprocessedInput,
@@ -619,9 +618,6 @@ class SparseCoreEmbed(pz.nn.Layer):
       ValueError: On a bad topology, specs or axis names, a mesh axis the
         mesh lacks, or a mesh without Auto axes.
     """
-    # The host preprocessor's numba runtime initialises in the background
-    # while the tables are drawn and the step compiles.
-    fill_lib.warm_up()
     topology = make_topology(
       mesh, sharding_axis, num_sc_per_device, exchange, axis_name_to_mesh_name
     )
