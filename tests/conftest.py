@@ -4,6 +4,8 @@ one JAX compilation cache for the whole run."""
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 # Must run before jax is imported anywhere in the test session.
@@ -25,6 +27,45 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
   os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
   atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+
+# numba's compiled preprocessing kernels (the fill, minibatching and its
+# hash) of a tiny batch: the first run of a checkout compiles them (about a
+# minute) and writes numba's cache beside the sources, later runs load it.
+_WARM_NUMBA = """
+import numpy as np, jax
+import pz_sparsecore as pzsc
+table = pzsc.TableSpec(name="t", vocabulary_size=100, embedding_dim=8,
+  initializer=jax.nn.initializers.zeros,
+  optimizer=pzsc.SGDOptimizerSpec(learning_rate=0.1), combiner="sum")
+specs = pzsc.prepare_feature_specs_for_training(
+  {"f": pzsc.FeatureSpec(name="f", table_spec=table, input_shape=(8, 2),
+                         output_shape=(8, 8))},
+  global_device_count=2, num_sc_per_device=1)
+for minibatching in (False, True):
+  pzsc.preprocess_sparse_dense_matmul_input(
+    {"f": np.zeros((8, 2), np.int32)}, None, specs, 2, 2,
+    num_sc_per_device=1, enable_minibatching=minibatching)
+"""
+
+
+def pytest_configure(config):
+  """On the xdist controller, before the workers start: fills numba's cache
+  once (`_WARM_NUMBA`, in a subprocess). Otherwise, on a fresh checkout,
+  the two workers and every process the first tests start (notebook
+  kernels, multi-process workers) each compiled the kernels at once, a
+  minute of CPU apiece on two cores. A failure here is left to the tests
+  to report."""
+  if hasattr(config, "workerinput") or not getattr(
+    config.option, "numprocesses", None
+  ):
+    return
+  subprocess.run(
+    [sys.executable, "-c", _WARM_NUMBA],
+    env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"},
+    capture_output=True,
+    timeout=900,
+    check=False,
+  )
 
 
 def pytest_collection_modifyitems(config, items):
