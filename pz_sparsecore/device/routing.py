@@ -218,16 +218,19 @@ def _stacked_grad(
   if options.stacked_grads:
     return jnp.reshape(grads[stack.name], (-1, stack.dim))
   s = topo.num_sc_per_device
-  parts = []
   if options.grouped_grads:
+    pieces = []
     for i, group in enumerate(feature_groups(stack)):
       f, k, n = group[0], len(group), group[0].samples_per_sc
       grad = grads[stack.name, i].reshape(s, n, k, f.dim)
-      grad = grad.transpose(0, 2, 1, 3).reshape(s, k * n, f.dim)
-      parts.append(jnp.pad(grad, ((0, 0), (0, 0), (0, stack.dim - f.dim))))
-  for f in () if options.grouped_grads else stack.features:
-    grad = grads[f.name].reshape(s, f.samples_per_sc, f.dim)
-    parts.append(jnp.pad(grad, ((0, 0), (0, 0), (0, stack.dim - f.dim))))
+      pieces.append(grad.transpose(0, 2, 1, 3).reshape(s, k * n, f.dim))
+  else:
+    pieces = [
+      grads[f.name].reshape(s, f.samples_per_sc, f.dim) for f in stack.features
+    ]
+  parts = [
+    jnp.pad(x, ((0, 0), (0, 0), (0, stack.dim - x.shape[-1]))) for x in pieces
+  ]
   return jnp.concatenate(parts, axis=1).reshape(-1, stack.dim)
 
 
