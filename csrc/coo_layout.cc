@@ -171,17 +171,48 @@ ffi::Error CollectSlices(const CooView& v, std::vector<Slice>* slices) {
   return ffi::Error::Success();
 }
 
+namespace {
+
+// Checks that slot operand or result `buffer` is f32 of rank >= 2 holding
+// `rows` rows of the width its list shape gives (SlotWidth); `name` (e.g.
+// "slot 0") goes into errors, with what the shape means.
+ffi::Error CheckSlotRows(const ffi::AnyBuffer& buffer, int64_t rows,
+                         SlotShape shape, int64_t dim,
+                         const std::string& name) {
+  if (buffer.element_type() != ffi::DataType::F32 ||
+      buffer.dimensions().size() < 2) {
+    return ffi::Error::InvalidArgument(name + " must be float32 of rank >= 2");
+  }
+  const int64_t cols = shape == SlotShape::kRow ? 1 : dim;
+  if (LeadingRows(buffer) == rows && buffer.dimensions().back() == cols) {
+    return ffi::Error::Success();
+  }
+  const std::string got = ", got " + Str(LeadingRows(buffer)) + " rows of " +
+                          Str(buffer.dimensions().back());
+  if (shape == SlotShape::kRow) {
+    return ffi::Error::InvalidArgument(name + " must hold " + Str(rows) +
+                                       " rows of 1 (one value per row)" +
+                                       got);
+  }
+  return ffi::Error::InvalidArgument(name + " must have the table's shape (" +
+                                     Str(rows) + " rows of " + Str(cols) +
+                                     ")" + got);
+}
+
+}  // namespace
+
 // Checks the operands beyond the COO buffers: the activation gradient, the
-// table result, the slots and their results, the hyperparameters and the
-// clip range.
-ffi::Error CheckGradOperands(int num_slots, int num_hyperparameters,
-                             const CooView& view,
+// table result, the slots and their results (each with its own width), the
+// hyperparameters and the clip range.
+ffi::Error CheckGradOperands(Optimizer optimizer, const CooView& view,
                              const ffi::AnyBuffer& activation_grad,
                              const ffi::AnyBuffer& table,
                              ffi::RemainingArgs rest,
                              ffi::Result<ffi::AnyBuffer> table_out,
                              ffi::RemainingRets slots_out, bool clip,
                              float clip_min, float clip_max) {
+  const int num_slots = NumSlots(optimizer);
+  const int num_hyperparameters = NumHyperparameters(optimizer);
   const int64_t num_rows = LeadingRows(table);
   if (auto err = CheckMatrix(activation_grad, view.num_outputs(), view.dim,
                              "activation_grad");
@@ -203,11 +234,14 @@ ffi::Error CheckGradOperands(int num_slots, int num_hyperparameters,
     auto slot_out = slots_out.get<ffi::AnyBuffer>(s);
     if (slot.has_error()) return slot.error();
     if (slot_out.has_error()) return slot_out.error();
-    if (auto err = CheckRows(*slot, num_rows, view.dim, "slot");
+    const SlotShape shape = SlotShapeOf(optimizer, s);
+    if (auto err = CheckSlotRows(*slot, num_rows, shape, view.dim,
+                                 "slot " + Str(s));
         err.failure()) {
       return err;
     }
-    if (auto err = CheckRows(**slot_out, num_rows, view.dim, "slot result");
+    if (auto err = CheckSlotRows(**slot_out, num_rows, shape, view.dim,
+                                 "slot result " + Str(s));
         err.failure()) {
       return err;
     }

@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "optimizers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace pzsc {
@@ -145,10 +146,11 @@ ffi::Error CheckMatrix(const ffi::AnyBuffer& buffer, int64_t rows,
                        int64_t cols, const char* name);
 
 // Checks a fused backward's operands beyond the COO buffers (CPU and CUDA):
-// the activation gradient, the table result, `num_slots` slots and their
-// results, `num_hyperparameters` hyperparameters and the clip range.
-ffi::Error CheckGradOperands(int num_slots, int num_hyperparameters,
-                             const CooView& view,
+// the activation gradient, the table result, the optimizer's slots and their
+// results (each as its list shape says: a Table slot has the table's rows
+// and width, a Row slot the table's rows and width 1; SlotWidth), its
+// hyperparameters and the clip range.
+ffi::Error CheckGradOperands(Optimizer optimizer, const CooView& view,
                              const ffi::AnyBuffer& activation_grad,
                              const ffi::AnyBuffer& table,
                              ffi::RemainingArgs rest,

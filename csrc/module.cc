@@ -22,13 +22,15 @@ namespace nb = nanobind;
 namespace pzsc {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CheckCooCpu);
-#define PZSC_DECLARE_GRAD_CPU(Name, name, num_slots, num_hyperparameters) \
+#define PZSC_DECLARE_GRAD_CPU(Name, name, num_slots, num_hyperparameters, \
+                              rule, shape0, shape1)                       \
   XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGrad##Name##Cpu);
 PZSC_OPTIMIZERS(PZSC_DECLARE_GRAD_CPU)
 #undef PZSC_DECLARE_GRAD_CPU
 #ifdef PZSC_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulCuda);
-#define PZSC_DECLARE_GRAD_CUDA(Name, name, num_slots, num_hyperparameters) \
+#define PZSC_DECLARE_GRAD_CUDA(Name, name, num_slots, num_hyperparameters, \
+                               rule, shape0, shape1)                       \
   XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGrad##Name##Cuda);
 PZSC_OPTIMIZERS(PZSC_DECLARE_GRAD_CUDA)
 #undef PZSC_DECLARE_GRAD_CUDA
@@ -39,6 +41,29 @@ int TakeCudaStatus(int64_t* out);
 }  // namespace pzsc
 
 namespace {
+
+// The registry's name of a slot shape (SlotShape in
+// pz_sparsecore/core/optimizers.py; upstream's slot_shape.py literals).
+const char* SlotShapeName(pzsc::SlotShape shape) {
+  switch (shape) {
+    case pzsc::SlotShape::kTable:
+      return "table";
+    case pzsc::SlotShape::kRow:
+      return "rowwise_1d";
+    case pzsc::SlotShape::kNone:
+      break;
+  }
+  return "none";
+}
+
+// The names of the optimizer's slot shapes, one per slot.
+nb::tuple SlotShapeNames(pzsc::Optimizer opt) {
+  nb::list names;
+  for (int s = 0; s < pzsc::NumSlots(opt); ++s) {
+    names.append(SlotShapeName(pzsc::SlotShapeOf(opt, s)));
+  }
+  return nb::tuple(names);
+}
 
 template <typename T>
 nb::capsule Capsule(T* fn) {
@@ -57,17 +82,20 @@ NB_MODULE(_pzsc_ffi, m) {
       "optimizers",
       []() {
         nb::list optimizers;
-#define PZSC_DESCRIBE(Name, name, num_slots, num_hyperparameters) \
-  optimizers.append(                                              \
-      nb::make_tuple(#name, PZSC_GRAD_TARGET(name),               \
-                     pzsc::NumSlots(pzsc::Optimizer::k##Name),    \
-                     pzsc::NumHyperparameters(pzsc::Optimizer::k##Name)));
+#define PZSC_DESCRIBE(Name, name, num_slots, num_hyperparameters, rule, \
+                      shape0, shape1)                                   \
+  optimizers.append(nb::make_tuple(                                     \
+      #name, PZSC_GRAD_TARGET(name),                                    \
+      pzsc::NumSlots(pzsc::Optimizer::k##Name),                         \
+      pzsc::NumHyperparameters(pzsc::Optimizer::k##Name),               \
+      SlotShapeNames(pzsc::Optimizer::k##Name)));
         PZSC_OPTIMIZERS(PZSC_DESCRIBE)
 #undef PZSC_DESCRIBE
         return optimizers;
       },
       "The optimizer handlers, one (name, target, num_slots, "
-      "num_hyperparameters) tuple each, in optimizer_list.h's order.");
+      "num_hyperparameters, slot_shapes) tuple each, in optimizer_list.h's "
+      "order; slot_shapes has one \"table\" or \"rowwise_1d\" per slot.");
   m.def("registrations", []() {
     nb::dict regs;
     auto add = [&](const char* name, const char* platform, nb::capsule cap) {
@@ -77,8 +105,9 @@ NB_MODULE(_pzsc_ffi, m) {
     };
     add("pzsc_sparse_dense_matmul", "cpu",
         Capsule(pzsc::SparseDenseMatmulCpu));
-#define PZSC_ADD_GRAD_CPU(Name, name, num_slots, num_hyperparameters) \
-  add(PZSC_GRAD_TARGET(name), "cpu",                                  \
+#define PZSC_ADD_GRAD_CPU(Name, name, num_slots, num_hyperparameters, rule, \
+                          shape0, shape1)                                   \
+  add(PZSC_GRAD_TARGET(name), "cpu",                                        \
       Capsule(pzsc::SparseDenseMatmulGrad##Name##Cpu));
     PZSC_OPTIMIZERS(PZSC_ADD_GRAD_CPU)
 #undef PZSC_ADD_GRAD_CPU
@@ -86,8 +115,9 @@ NB_MODULE(_pzsc_ffi, m) {
 #ifdef PZSC_WITH_CUDA
     add("pzsc_sparse_dense_matmul", "CUDA",
         Capsule(pzsc::SparseDenseMatmulCuda));
-#define PZSC_ADD_GRAD_CUDA(Name, name, num_slots, num_hyperparameters) \
-  add(PZSC_GRAD_TARGET(name), "CUDA",                                  \
+#define PZSC_ADD_GRAD_CUDA(Name, name, num_slots, num_hyperparameters, rule, \
+                           shape0, shape1)                                   \
+  add(PZSC_GRAD_TARGET(name), "CUDA",                                        \
       Capsule(pzsc::SparseDenseMatmulGrad##Name##Cuda));
     PZSC_OPTIMIZERS(PZSC_ADD_GRAD_CUDA)
 #undef PZSC_ADD_GRAD_CUDA

@@ -1,12 +1,17 @@
-// Per-row optimizer updates of the fused backward: one element rule per
-// optimizer of the list (optimizer_list.h), with the equations of upstream's
-// primitives (sparse_dense_matmul_grad_with_<name>.py); the pure-JAX twins
-// are the registry's row updates (pz_sparsecore/core/optimizers.py).
+// Per-row optimizer updates of the fused backward: one rule per optimizer of
+// the list (optimizer_list.h), with the equations of upstream's primitives
+// (sparse_dense_matmul_grad_with_<name>.py, or FBGEMM's for row-wise
+// Adagrad); the pure-JAX twins are the registry's row updates
+// (pz_sparsecore/core/optimizers.py).
 //
-// Each rule updates one table element `w` and its slot elements in place
-// from the summed row gradient `g`; the CPU handlers run it over a row
-// (ApplyRow), the CUDA handlers over a warp's elements. All rows have `dim`
-// float32 elements and never alias each other.
+// An element rule updates one table element `w` and its slot elements in
+// place from the summed row gradient `g`; the CPU handlers run it over a row
+// (ApplyRow), the CUDA handlers over a warp's elements. A row rule first
+// reduces a term of every element over the row, updates the row's slot
+// values once from that sum, then updates each element from the result
+// (ApplyRowRule on CPU; the CUDA handlers reduce across the warp). Table
+// rows and Table slot rows have `dim` float32 elements, Row slot rows one;
+// no two of them alias.
 #ifndef PZSC_CSRC_OPTIMIZERS_H_
 #define PZSC_CSRC_OPTIMIZERS_H_
 
@@ -29,13 +34,26 @@ namespace pzsc {
 
 // Optimizer::k<Name>, in the list's order.
 enum class Optimizer : int {
-#define PZSC_ENUMERATOR(Name, name, num_slots, num_hyperparameters) k##Name,
+#define PZSC_ENUMERATOR(Name, name, num_slots, num_hyperparameters, rule, \
+                        shape0, shape1)                                   \
+  k##Name,
   PZSC_OPTIMIZERS(PZSC_ENUMERATOR)
 #undef PZSC_ENUMERATOR
 };
 
-#define PZSC_SLOTS_OF(Name, name, num_slots, num_hyperparameters) num_slots,
-#define PZSC_HYPERPARAMETERS_OF(Name, name, num_slots, num_hyperparameters) \
+// The list's `rule` column: how an optimizer's update is written.
+enum class Rule : int { kElement, kRow };
+
+// The list's shape columns: a slot operand's shape. kTable: the table's,
+// [..., V, D]; kRow: [..., V, 1], one value per table row; kNone: no such
+// slot.
+enum class SlotShape : int { kTable, kRow, kNone };
+
+#define PZSC_SLOTS_OF(Name, name, num_slots, num_hyperparameters, rule, \
+                      shape0, shape1)                                   \
+  num_slots,
+#define PZSC_HYPERPARAMETERS_OF(Name, name, num_slots, num_hyperparameters, \
+                                rule, shape0, shape1)                       \
   num_hyperparameters,
 inline constexpr int kMaxSlots = std::max({PZSC_OPTIMIZERS(PZSC_SLOTS_OF)});
 inline constexpr int kMaxHyperparameters =
@@ -56,8 +74,9 @@ PZSC_HOST_DEVICE float NanMin(float x, float y) {
 
 PZSC_HOST_DEVICE constexpr int NumSlots(Optimizer opt) {
   switch (opt) {
-#define PZSC_NUM_SLOTS_CASE(Name, name, num_slots, num_hyperparameters) \
-  case Optimizer::k##Name:                                              \
+#define PZSC_NUM_SLOTS_CASE(Name, name, num_slots, num_hyperparameters, rule, \
+                            shape0, shape1)                                   \
+  case Optimizer::k##Name:                                                    \
     return num_slots;
     PZSC_OPTIMIZERS(PZSC_NUM_SLOTS_CASE)
 #undef PZSC_NUM_SLOTS_CASE
@@ -67,9 +86,10 @@ PZSC_HOST_DEVICE constexpr int NumSlots(Optimizer opt) {
 
 PZSC_HOST_DEVICE constexpr int NumHyperparameters(Optimizer opt) {
   switch (opt) {
-#define PZSC_NUM_HYPERPARAMETERS_CASE(Name, name, num_slots, \
-                                      num_hyperparameters)   \
-  case Optimizer::k##Name:                                   \
+#define PZSC_NUM_HYPERPARAMETERS_CASE(Name, name, num_slots,              \
+                                      num_hyperparameters, rule, shape0, \
+                                      shape1)                            \
+  case Optimizer::k##Name:                                               \
     return num_hyperparameters;
     PZSC_OPTIMIZERS(PZSC_NUM_HYPERPARAMETERS_CASE)
 #undef PZSC_NUM_HYPERPARAMETERS_CASE
@@ -77,15 +97,84 @@ PZSC_HOST_DEVICE constexpr int NumHyperparameters(Optimizer opt) {
   return 0;
 }
 
+// Whether the optimizer's update is a row rule (the list's `rule` is Row).
+PZSC_HOST_DEVICE constexpr bool IsRowRule(Optimizer opt) {
+  switch (opt) {
+#define PZSC_IS_ROW_RULE_CASE(Name, name, num_slots, num_hyperparameters, \
+                              rule, shape0, shape1)                       \
+  case Optimizer::k##Name:                                                \
+    return Rule::k##rule == Rule::kRow;
+    PZSC_OPTIMIZERS(PZSC_IS_ROW_RULE_CASE)
+#undef PZSC_IS_ROW_RULE_CASE
+  }
+  return false;
+}
+
+// The shape of slot `s` of the optimizer (kNone past its slots).
+PZSC_HOST_DEVICE constexpr SlotShape SlotShapeOf(Optimizer opt, int s) {
+  switch (opt) {
+#define PZSC_SLOT_SHAPE_CASE(Name, name, num_slots, num_hyperparameters, \
+                             rule, shape0, shape1)                       \
+  case Optimizer::k##Name:                                               \
+    return s == 0   ? SlotShape::k##shape0                               \
+           : s == 1 ? SlotShape::k##shape1                               \
+                    : SlotShape::kNone;
+    PZSC_OPTIMIZERS(PZSC_SLOT_SHAPE_CASE)
+#undef PZSC_SLOT_SHAPE_CASE
+  }
+  return SlotShape::kNone;
+}
+
+// The last dimension of slot `s`'s operand for a table of width `dim`: `dim`
+// for a Table slot, 1 for a Row slot (0 for none). A slot's row r starts at
+// element r * SlotWidth(opt, s, dim).
+PZSC_HOST_DEVICE constexpr int64_t SlotWidth(Optimizer opt, int s,
+                                             int64_t dim) {
+  switch (SlotShapeOf(opt, s)) {
+    case SlotShape::kTable:
+      return dim;
+    case SlotShape::kRow:
+      return 1;
+    case SlotShape::kNone:
+      return 0;
+  }
+  return 0;
+}
+
+// The list's columns agree: the first num_slots shapes are slots, the rest
+// None; an Element rule's slots are all Table (each element's slot elements
+// sit at the element's offset) and a Row rule's all Row (its Row part takes
+// the slot values, its Element part none). Mixed rules (e.g. Table momentum
+// with a Row second moment) need a wider protocol and dispatch.
+PZSC_HOST_DEVICE constexpr bool ListColumnsAgree(Optimizer opt) {
+  for (int s = 0; s < PZSC_SLOT_ARGS_MAX; ++s) {
+    const SlotShape shape = SlotShapeOf(opt, s);
+    if ((s < NumSlots(opt)) != (shape != SlotShape::kNone)) return false;
+    if (s < NumSlots(opt) &&
+        shape != (IsRowRule(opt) ? SlotShape::kRow : SlotShape::kTable)) {
+      return false;
+    }
+  }
+  return true;
+}
+#define PZSC_CHECK_COLUMNS(Name, name, num_slots, num_hyperparameters, rule, \
+                           shape0, shape1)                                   \
+  static_assert(ListColumnsAgree(Optimizer::k##Name),                        \
+                "optimizer_list.h: " #Name                                   \
+                "'s slot count, rule and slot shapes disagree");
+PZSC_OPTIMIZERS(PZSC_CHECK_COLUMNS)
+#undef PZSC_CHECK_COLUMNS
+
 // Hyper-parameters in the upstream order (see NumHyperparameters).
 struct Hyperparameters {
   float v[kMaxHyperparameters];
   bool multiply_linear_by_learning_rate;
 };
 
-// The rules, one element at a time: <Name>Element for every optimizer of the
-// list. `w` is the table element, `a`/`m`/`v`/`l` its slot elements (in the
-// registry's slot order), `g` the summed row gradient.
+// The element rules, one element at a time: <Name>Element for every Element
+// optimizer of the list. `w` is the table element, `a`/`m`/`v`/`l` its slot
+// elements (in the registry's slot order), `g` the summed row gradient. The
+// row rules follow them.
 
 // w <- w - lr * g.
 PZSC_HOST_DEVICE void SgdElement(const Hyperparameters& h, float& w, float g) {
@@ -191,6 +280,50 @@ PZSC_HOST_DEVICE void F2AElement(const Hyperparameters& h, float& w, float& a,
   w -= lr * update;
 }
 
+// Row-wise Adagrad, FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator `a` per
+// row. Hyper-parameters [lr, eps, embedding_dim, l2, decoupled]; over the
+// row's summed gradient g[0, D):
+//   sum = sum_{d < embedding_dim} (g[d] + l2 w[d])^2;
+//   a <- a + sum / embedding_dim;
+//   m = lr / (sqrt(a) + eps);  corr = 1 - m l2 - lr decoupled;
+//   w[d] <- corr w[d] - m g[d]   (the raw g: l2 enters the sum only).
+// embedding_dim is the table's own width: the operand's D may be larger by
+// a stack's padding columns (no gradient; the initializer's values), which
+// the sum leaves out, so the mean stays FBGEMM's over the table's D.
+// Weight decay "none" passes l2 = decoupled = 0, "l2" only l2, "decoupled"
+// only decoupled.
+struct RowwiseAdagradRowState {
+  float m;     // lr / (sqrt(a) + eps), the row's step size.
+  float corr;  // The factor on w: 1 - m l2 - lr decoupled.
+};
+
+// One element's term of the row sum: (g + l2 w)^2 for column `col` below
+// embedding_dim, 0 past it.
+PZSC_HOST_DEVICE float RowwiseAdagradRowTerm(const Hyperparameters& h,
+                                             int64_t col, float w, float g) {
+  if (static_cast<float>(col) >= h.v[2]) return 0.0f;
+  const float gd = g + h.v[3] * w;
+  return gd * gd;
+}
+
+// a <- a + sum / embedding_dim, once per row; the row's m and corr.
+PZSC_HOST_DEVICE RowwiseAdagradRowState
+RowwiseAdagradRow(const Hyperparameters& h, float& a, float sum) {
+  const float lr = h.v[0], eps = h.v[1], dim = h.v[2];
+  const float l2 = h.v[3], decoupled = h.v[4];
+  const float acc = a + sum / dim;
+  a = acc;
+  const float m = lr / (sqrtf(acc) + eps);
+  return {m, 1.0f - m * l2 - lr * decoupled};
+}
+
+// w <- corr w - m g.
+PZSC_HOST_DEVICE void RowwiseAdagradElement(const Hyperparameters&,
+                                            const RowwiseAdagradRowState& st,
+                                            float& w, float g) {
+  w = st.corr * w - st.m * g;
+}
+
 #ifndef __CUDACC__
 // The CPU handlers' row updates: ApplyRow<Name##Element>(h, w, slot rows...,
 // g, dim) runs the element rule over `dim` elements (one overload per slot
@@ -214,6 +347,26 @@ inline void ApplyRow(const Hyperparameters& h, float* __restrict w,
                      float* __restrict s0, float* __restrict s1,
                      const float* __restrict g, int64_t dim) {
   for (int64_t i = 0; i < dim; ++i) Element(h, w[i], s0[i], s1[i], g[i]);
+}
+
+// A row rule's update of one row:
+// ApplyRowRule<Name##RowState, Name##RowTerm, Name##Row, Name##Element>(h, w,
+// slot values..., g, dim) sums the terms in column order (float32, one
+// accumulator, as FBGEMM's CPU kernel), runs Row once on the slot values,
+// then Element over the `dim` elements. One overload per slot count (a Row
+// rule's slots are Row slots: one value each); add one for another count.
+template <typename State,
+          float (*Term)(const Hyperparameters&, int64_t, float, float),
+          State (*Row)(const Hyperparameters&, float&, float),
+          void (*Element)(const Hyperparameters&, const State&, float&,
+                          float)>
+inline void ApplyRowRule(const Hyperparameters& h, float* __restrict w,
+                         float* __restrict s0, const float* __restrict g,
+                         int64_t dim) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < dim; ++i) sum += Term(h, i, w[i], g[i]);
+  const State state = Row(h, *s0, sum);
+  for (int64_t i = 0; i < dim; ++i) Element(h, state, w[i], g[i]);
 }
 #endif  // __CUDACC__
 

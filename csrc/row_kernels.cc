@@ -290,11 +290,11 @@ void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
         const int64_t end = c.end;
         int64_t pos = c.pos;
         if (pos + kPrefetchDistance < end) {
-          const int64_t ahead =
-              (table_base + ids[pos + kPrefetchDistance]) * dim;
-          PrefetchRowForWrite(plan.table + ahead, dim);
+          const int64_t ahead_row = table_base + ids[pos + kPrefetchDistance];
+          PrefetchRowForWrite(plan.table + ahead_row * dim, dim);
           for (int s = 0; s < num_slots; ++s) {
-            PrefetchRowForWrite(plan.slots[s] + ahead, dim);
+            const int64_t width = plan.slot_width[s];
+            PrefetchRowForWrite(plan.slots[s] + ahead_row * width, width);
           }
         }
         for (; pos < end && ids[pos] == row; ++pos) {
@@ -306,19 +306,30 @@ void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
         c.pos = pos;
       }
       if (!referenced) continue;
-      const int64_t off = (table_base + row) * dim;
-      float* __restrict w = plan.table + off;
+      const int64_t key = table_base + row;
+      float* __restrict w = plan.table + key * dim;
+      // Each slot's row at its own width (a Row slot's is one value).
+      float* s0 = plan.slots[0] + key * plan.slot_width[0];
+      float* s1 = plan.slots[1] + key * plan.slot_width[1];
       const Hyperparameters& h = plan.hyper;
+      // The list's `rule` picks the update: Element rules run per element
+      // (ApplyRow), Row rules reduce the row first (ApplyRowRule).
       switch (plan.optimizer) {
-#define PZSC_APPLY_CASE(Name, name, num_slots, num_hyperparameters)        \
-  case Optimizer::k##Name:                                                 \
-    ApplyRow<Name##Element>(h, w,                                          \
-                            PZSC_SLOT_ARGS(num_slots, plan.slots[0] + off, \
-                                           plan.slots[1] + off) acc,       \
-                            dim);                                          \
+#define PZSC_APPLY_Element(Name, num_slots)                            \
+  ApplyRow<Name##Element>(h, w, PZSC_SLOT_ARGS(num_slots, s0, s1) acc, \
+                          dim)
+#define PZSC_APPLY_Row(Name, num_slots)                                  \
+  ApplyRowRule<Name##RowState, Name##RowTerm, Name##Row, Name##Element>( \
+      h, w, PZSC_SLOT_ARGS(num_slots, s0, s1) acc, dim)
+#define PZSC_APPLY_CASE(Name, name, num_slots, num_hyperparameters, rule, \
+                        shape0, shape1)                                   \
+  case Optimizer::k##Name:                                                \
+    PZSC_APPLY_##rule(Name, num_slots);                                   \
     break;
         PZSC_OPTIMIZERS(PZSC_APPLY_CASE)
 #undef PZSC_APPLY_CASE
+#undef PZSC_APPLY_Row
+#undef PZSC_APPLY_Element
       }
       if (plan.clip) {
         const float lo = plan.clip_min, hi = plan.clip_max;

@@ -33,6 +33,9 @@ struct BackwardPlan {
   const float* activation_grad;
   float* table;
   float* slots[kMaxSlots];
+  // Elements per row of each slot (SlotWidth): the table's dim for a Table
+  // slot, 1 for a Row slot; slot s's row r starts at r * slot_width[s].
+  int64_t slot_width[kMaxSlots];
   Optimizer optimizer;
   Hyperparameters hyper;
   bool clip;

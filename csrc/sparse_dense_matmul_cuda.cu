@@ -37,6 +37,16 @@
 // The number of runs is known on the device only: these kernels are
 // launched with a grid that fills the GPU once (kBlocksPerSm blocks per
 // multiprocessor, fewer for small batches) and loop over the runs.
+// Row rules (optimizer_list.h: an update that needs a sum over the whole
+// row, e.g. row-wise Adagrad) run on the same warp: a first pass over the
+// row's 128-column tiles (kWarpSize * kRegs) forms each lane's share of the
+// row's terms in a fixed order, a butterfly of shuffles adds the shares (so
+// every lane holds the same sum, bit for bit), lane 0 updates the row's slot
+// values once and broadcasts the rule's row state, and a second pass applies
+// the elements; a row wider than one tile has its tile sums formed again
+// then, in the same order as in the first pass. The update stays
+// deterministic. Slot rows have their own widths (a Row slot's row r is the
+// one value at r).
 // Clipping follows the update, on the table only. Scratch (keys, positions,
 // runs, chunk sums; O(entries x dim / kChunk + entries), independent of the
 // table's size) comes from XLA's allocator.
@@ -60,8 +70,10 @@
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_run_length_encode.cuh>
 #include <cub/device/device_scan.cuh>
+#include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "coo_layout.h"
 #include "optimizer_list.h"
@@ -346,6 +358,11 @@ struct UpdateArgs {
   float* table;
   float* slot0;  // The slots PZSC_SLOT_ARGS passes (PZSC_SLOT_ARGS_MAX).
   float* slot1;
+  // Elements per row of each slot (SlotWidth: the table's dim for a Table
+  // slot, 1 for a Row slot, 0 for none): slot s's row r starts at
+  // r * width.
+  int64_t slot0_width;
+  int64_t slot1_width;
   const int32_t* sorted;  // Positions sorted by row (scratch).
 };
 
@@ -370,11 +387,10 @@ __device__ __forceinline__ void SumRun(const UpdateArgs& a, int64_t begin,
   }
 }
 
-// Applies the optimizer to elements d0 + lane + 32 r of table row `row`.
+// The call's hyper-parameters as the rules take them.
 template <Optimizer kOpt>
-__device__ __forceinline__ void ApplyRow(const UpdateArgs& a, int64_t row,
-                                         int64_t d0, int lane,
-                                         const float (&acc)[kRegs]) {
+__device__ __forceinline__ Hyperparameters LoadHyperparameters(
+    const UpdateArgs& a) {
   constexpr int kHyper = NumHyperparameters(kOpt);
   Hyperparameters h;
 #pragma unroll
@@ -382,22 +398,163 @@ __device__ __forceinline__ void ApplyRow(const UpdateArgs& a, int64_t row,
     h.v[i] = i < kHyper ? a.hyper[i] : 0.0f;
   }
   h.multiply_linear_by_learning_rate = a.multiply_linear_by_learning_rate;
+  return h;
+}
+
+// Clips an updated table element: as std::min(std::max(w, lo), hi) on CPU
+// (NaN stays NaN).
+__device__ __forceinline__ void Clip(const UpdateArgs& a, float& w) {
+  if (a.clip) {
+    w = w < a.clip_min ? a.clip_min : (w > a.clip_max ? a.clip_max : w);
+  }
+}
+
+// Applies an element rule to elements d0 + lane + 32 r of table row `row`
+// (each slot element at the same column of the slot's row).
+template <Optimizer kOpt>
+__device__ __forceinline__ void ApplyRow(const UpdateArgs& a, int64_t row,
+                                         int64_t d0, int lane,
+                                         const float (&acc)[kRegs]) {
+  const Hyperparameters h = LoadHyperparameters<kOpt>(a);
 #pragma unroll
   for (int r = 0; r < kRegs; ++r) {
     const int64_t d = d0 + lane + kWarpSize * r;
     if (d >= a.l.dim) continue;
-    const int64_t off = row * a.l.dim + d;
-    float& w = a.table[off];
-#define PZSC_APPLY_ELEMENT(Name, name, num_slots, num_hyperparameters) \
-  if constexpr (kOpt == Optimizer::k##Name) {                          \
-    Name##Element(                                                     \
-        h, w, PZSC_SLOT_ARGS(num_slots, a.slot0[off], a.slot1[off])    \
-                  acc[r]);                                             \
+    float& w = a.table[row * a.l.dim + d];
+// Row rules take ApplyRowRule instead: nothing here (the discarded branch
+// of an `if constexpr` would still have to compile).
+#define PZSC_APPLY_ELEMENT_Row(Name, num_slots)
+#define PZSC_APPLY_ELEMENT_Element(Name, num_slots)                 \
+  if constexpr (kOpt == Optimizer::k##Name) {                       \
+    Name##Element(h, w,                                             \
+                  PZSC_SLOT_ARGS(num_slots,                         \
+                                 a.slot0[row * a.slot0_width + d],  \
+                                 a.slot1[row * a.slot1_width + d])  \
+                      acc[r]);                                      \
   }
+#define PZSC_APPLY_ELEMENT(Name, name, num_slots, num_hyperparameters, rule, \
+                           shape0, shape1)                                   \
+  PZSC_APPLY_ELEMENT_##rule(Name, num_slots)
     PZSC_OPTIMIZERS(PZSC_APPLY_ELEMENT)
 #undef PZSC_APPLY_ELEMENT
-    // As std::min(std::max(w, lo), hi) on CPU: NaN stays NaN.
-    if (a.clip) w = w < a.clip_min ? a.clip_min : (w > a.clip_max ? a.clip_max : w);
+#undef PZSC_APPLY_ELEMENT_Element
+#undef PZSC_APPLY_ELEMENT_Row
+    Clip(a, w);
+  }
+}
+
+// The row rule of a Row optimizer of the list: its state type and three
+// parts (optimizers.h), the Row part reading the slot values of table row
+// `row` (a Row slot's row is one value).
+template <Optimizer kOpt>
+struct RowRule;
+#define PZSC_ROW_RULE_Element(Name, num_slots)
+#define PZSC_ROW_RULE_Row(Name, num_slots)                                 \
+  template <>                                                              \
+  struct RowRule<Optimizer::k##Name> {                                     \
+    using State = Name##RowState;                                          \
+    static __device__ __forceinline__ float Term(                          \
+        const Hyperparameters& h, int64_t col, float w, float g) {         \
+      return Name##RowTerm(h, col, w, g);                                  \
+    }                                                                      \
+    static __device__ __forceinline__ State Row(const Hyperparameters& h,  \
+                                                const UpdateArgs& a,       \
+                                                int64_t row, float sum) {  \
+      return Name##Row(h,                                                  \
+                       PZSC_SLOT_ARGS(num_slots,                           \
+                                      a.slot0[row * a.slot0_width],        \
+                                      a.slot1[row * a.slot1_width]) sum);  \
+    }                                                                      \
+    static __device__ __forceinline__ void Element(                        \
+        const Hyperparameters& h, const State& st, float& w, float g) {    \
+      Name##Element(h, st, w, g);                                          \
+    }                                                                      \
+  };
+#define PZSC_ROW_RULE(Name, name, num_slots, num_hyperparameters, rule, \
+                      shape0, shape1)                                   \
+  PZSC_ROW_RULE_##rule(Name, num_slots)
+PZSC_OPTIMIZERS(PZSC_ROW_RULE)
+#undef PZSC_ROW_RULE
+#undef PZSC_ROW_RULE_Row
+#undef PZSC_ROW_RULE_Element
+
+// The sum of `v` over the warp's lanes, the same bits in every lane: a
+// butterfly (lane i adds lane i ^ o's value for o = 16, 8, ..., 1) adds the
+// same two values in both lanes of each pair (addition commutes), so the
+// lanes agree after every step, and the order is fixed. The whole warp must
+// call it.
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int o = kWarpSize / 2; o > 0; o /= 2) {
+    v += __shfl_xor_sync(0xffffffffu, v, o);
+  }
+  return v;
+}
+
+// Lane 0's `value` in every lane, word by word (a rule's row state: plain
+// floats). The whole warp must call it.
+template <typename T>
+__device__ __forceinline__ T BroadcastFromLane0(const T& value) {
+  static_assert(std::is_trivially_copyable_v<T> &&
+                    sizeof(T) % sizeof(float) == 0,
+                "a row state is a struct of 32-bit words");
+  constexpr int kWords = sizeof(T) / sizeof(float);
+  float words[kWords];
+  memcpy(words, &value, sizeof(T));
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) {
+    words[i] = __shfl_sync(0xffffffffu, words[i], 0);
+  }
+  T out;
+  memcpy(&out, words, sizeof(T));
+  return out;
+}
+
+// Applies a row rule to table row `row`; the whole warp calls it.
+// tile_sum(d0, acc) adds the row's summed gradient at elements
+// d0 + lane + 32 r into acc (the same values at every call for a d0). Pass
+// 1: each lane adds the Term of its elements, tile by tile then r by r;
+// WarpSum gives the row's sum; lane 0 runs Row (the slot values, once) and
+// broadcasts the state. Pass 2: Element and the clip on each element, with
+// the tile sums of pass 1 when the row is one tile, formed again otherwise.
+template <Optimizer kOpt, typename TileSum>
+__device__ __forceinline__ void ApplyRowRule(const UpdateArgs& a, int64_t row,
+                                             int lane, TileSum tile_sum) {
+  using Parts = RowRule<kOpt>;
+  constexpr int64_t kTileWidth = kWarpSize * kRegs;
+  const Hyperparameters h = LoadHyperparameters<kOpt>(a);
+  const int64_t dim = a.l.dim;
+  float* w = a.table + row * dim;
+  float acc[kRegs];
+  // The tile's summed gradient at d0 + lane + 32 r, into acc.
+  auto load_tile = [&](int64_t d0) {
+#pragma unroll
+    for (int r = 0; r < kRegs; ++r) acc[r] = 0.0f;
+    tile_sum(d0, acc);
+  };
+  float term = 0.0f;
+  for (int64_t d0 = 0; d0 < dim; d0 += kTileWidth) {
+    load_tile(d0);
+#pragma unroll
+    for (int r = 0; r < kRegs; ++r) {
+      const int64_t d = d0 + lane + kWarpSize * r;
+      if (d < dim) term += Parts::Term(h, d, w[d], acc[r]);
+    }
+  }
+  const float sum = WarpSum(term);
+  typename Parts::State state{};
+  if (lane == 0) state = Parts::Row(h, a, row, sum);
+  state = BroadcastFromLane0(state);
+  const bool one_tile = dim <= kTileWidth;
+  for (int64_t d0 = 0; d0 < dim; d0 += kTileWidth) {
+    if (!one_tile) load_tile(d0);
+#pragma unroll
+    for (int r = 0; r < kRegs; ++r) {
+      const int64_t d = d0 + lane + kWarpSize * r;
+      if (d >= dim) continue;
+      Parts::Element(h, state, w[d], acc[r]);
+      Clip(a, w[d]);
+    }
   }
 }
 
@@ -448,10 +605,17 @@ __global__ void PzscUpdateKernel(UpdateArgs a, Key rows,
       }
       continue;
     }
-    for (int64_t d0 = 0; d0 < a.l.dim; d0 += kWarpSize * kRegs) {
-      float acc[kRegs] = {};
-      SumRun(a, begin, begin + len, d0, lane, acc);
-      ApplyRow<kOpt>(a, static_cast<int64_t>(key), d0, lane, acc);
+    if constexpr (IsRowRule(kOpt)) {
+      ApplyRowRule<kOpt>(a, static_cast<int64_t>(key), lane,
+                         [&](int64_t d0, float (&acc)[kRegs]) {
+                           SumRun(a, begin, begin + len, d0, lane, acc);
+                         });
+    } else {
+      for (int64_t d0 = 0; d0 < a.l.dim; d0 += kWarpSize * kRegs) {
+        float acc[kRegs] = {};
+        SumRun(a, begin, begin + len, d0, lane, acc);
+        ApplyRow<kOpt>(a, static_cast<int64_t>(key), d0, lane, acc);
+      }
     }
   }
 }
@@ -500,8 +664,8 @@ __global__ void PzscFinishKernel(UpdateArgs a, const Key* __restrict__ run_keys,
     const int32_t r = long_runs[2 * i];
     const int64_t first = long_runs[2 * i + 1];
     const int64_t chunks = (run_lengths[r] + kChunk - 1) / kChunk;
-    for (int64_t d0 = 0; d0 < a.l.dim; d0 += kWarpSize * kRegs) {
-      float acc[kRegs] = {};
+    // Adds the chunk sums of elements d0 + lane + 32 q, in chunk order.
+    auto sum_chunks = [&](int64_t d0, float (&acc)[kRegs]) {
 #pragma unroll 4
       for (int64_t c = first; c < first + chunks; ++c) {
 #pragma unroll
@@ -510,7 +674,16 @@ __global__ void PzscFinishKernel(UpdateArgs a, const Key* __restrict__ run_keys,
           if (d < a.l.dim) acc[q] += partial[c * a.l.dim + d];
         }
       }
-      ApplyRow<kOpt>(a, static_cast<int64_t>(run_keys[r]), d0, lane, acc);
+    };
+    const int64_t row = static_cast<int64_t>(run_keys[r]);
+    if constexpr (IsRowRule(kOpt)) {
+      ApplyRowRule<kOpt>(a, row, lane, sum_chunks);
+    } else {
+      for (int64_t d0 = 0; d0 < a.l.dim; d0 += kWarpSize * kRegs) {
+        float acc[kRegs] = {};
+        sum_chunks(d0, acc);
+        ApplyRow<kOpt>(a, row, d0, lane, acc);
+      }
     }
   }
 }
@@ -817,9 +990,9 @@ ffi::Error GradCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       err.failure()) {
     return err;
   }
-  if (auto err = CheckGradOperands(kSlots, NumHyperparameters(kOpt), view,
-                                   activation_grad, table, rest, table_out,
-                                   slots_out, clip, clip_min, clip_max);
+  if (auto err = CheckGradOperands(kOpt, view, activation_grad, table, rest,
+                                   table_out, slots_out, clip, clip_min,
+                                   clip_max);
       err.failure()) {
     return err;
   }
@@ -867,6 +1040,8 @@ ffi::Error GradCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
   if (!work) return ffi::Error::Success();
   args.slot0 = slots[0];
   args.slot1 = slots[1];
+  args.slot0_width = SlotWidth(kOpt, 0, view.dim);
+  args.slot1_width = SlotWidth(kOpt, 1, view.dim);
   args.grad = activation_grad.typed_data<float>();
   args.hyper = rest.get<ffi::AnyBuffer>(kSlots)->typed_data<float>();
   args.multiply_linear_by_learning_rate = multiply_linear_by_learning_rate;
@@ -890,14 +1065,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<LayoutAttrs>("layout")
         .Attr<Quantization>("quantization"));
 
-#define PZSC_DEFINE_CUDA_GRAD_HANDLER(Name, name, num_slots, \
-                                      num_hyperparameters)   \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(                             \
-      SparseDenseMatmulGrad##Name##Cuda,                     \
-      GradCudaImpl<Optimizer::k##Name>,                      \
-      PZSC_BIND_GRAD_OPERANDS(                               \
-          ffi::Ffi::Bind()                                   \
-              .Ctx<ffi::PlatformStream<cudaStream_t>>()      \
+#define PZSC_DEFINE_CUDA_GRAD_HANDLER(Name, name, num_slots,              \
+                                      num_hyperparameters, rule, shape0, \
+                                      shape1)                            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                         \
+      SparseDenseMatmulGrad##Name##Cuda,                                 \
+      GradCudaImpl<Optimizer::k##Name>,                                  \
+      PZSC_BIND_GRAD_OPERANDS(                                           \
+          ffi::Ffi::Bind()                                               \
+              .Ctx<ffi::PlatformStream<cudaStream_t>>()                  \
               .Ctx<ffi::ScratchAllocator>()));
 
 PZSC_OPTIMIZERS(PZSC_DEFINE_CUDA_GRAD_HANDLER)

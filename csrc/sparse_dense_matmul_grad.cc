@@ -4,7 +4,8 @@
 //
 // Operands: activation_grad f32[num_segments * samples_per_segment, D], the
 // COO buffers (as in the forward), table f32[R, D], the optimizer's slots
-// (each f32[R, D]) and hyperparameters f32[H] (see optimizers.h).
+// (each f32[R, D] if the list says Table, f32[R, 1] if it says Row:
+// optimizer_list.h) and hyperparameters f32[H] (see optimizers.h).
 // Results: the new table and slots, aliased to the table and slot operands
 // (input_output_aliases; the handler copies first if XLA gave it distinct
 // buffers). For every table row referenced by at least one valid entry, the
@@ -187,9 +188,9 @@ ffi::Error SparseDenseMatmulGradImpl(
       err.failure()) {
     return err;
   }
-  if (auto err = CheckGradOperands(kSlots, NumHyperparameters(kOpt), view,
-                                   activation_grad, table, rest, table_out,
-                                   slots_out, clip, clip_min, clip_max);
+  if (auto err = CheckGradOperands(kOpt, view, activation_grad, table, rest,
+                                   table_out, slots_out, clip, clip_min,
+                                   clip_max);
       err.failure()) {
     return err;
   }
@@ -203,6 +204,7 @@ ffi::Error SparseDenseMatmulGradImpl(
     ffi::Result<ffi::AnyBuffer> slot_out = *slots_out.get<ffi::AnyBuffer>(s);
     CopyIfDistinct(*rest.get<ffi::AnyBuffer>(s), *slot_out);
     plan.slots[s] = slot_out->typed_data<float>();
+    plan.slot_width[s] = SlotWidth(kOpt, s, view.dim);
   }
   if (view.dim == 0) return ffi::Error::Success();
   plan.view = &view;
@@ -251,7 +253,8 @@ ffi::Error CheckCooImpl(ffi::AnyBuffer row_pointers,
 
 }  // namespace
 
-#define PZSC_DEFINE_GRAD_HANDLER(Name, name, num_slots, num_hyperparameters) \
+#define PZSC_DEFINE_GRAD_HANDLER(Name, name, num_slots, num_hyperparameters, \
+                                 rule, shape0, shape1)                       \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                             \
       SparseDenseMatmulGrad##Name##Cpu,                                      \
       SparseDenseMatmulGradImpl<Optimizer::k##Name>,                         \

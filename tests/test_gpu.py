@@ -180,10 +180,10 @@ def test_fused_update_matches_reference_and_is_deterministic(case, optimizer):
   rng = np.random.default_rng(seed + 7)
   table = rng.normal(size=(padded, dim)).astype(np.float32) * 0.1
   act = rng.normal(size=(batch, dim)).astype(np.float32)
-  n_slots = len(optimizers.REGISTRY[optimizer].slot_names)
+  # Each slot at its width (a row-wise accumulator: [rows, 1]).
   slots = tuple(
-    rng.uniform(0.1, 1.0, size=(padded, dim)).astype(np.float32)
-    for _ in range(n_slots)
+    rng.uniform(0.1, 1.0, size=(padded, slot.width(dim))).astype(np.float32)
+    for slot in optimizers.REGISTRY[optimizer].slots
   )
   hp = np.asarray(HYPERPARAMETERS[optimizer], np.float32)
   static = {MLR: True} if optimizer == "ftrl" else None
@@ -432,6 +432,10 @@ def test_trainer_on_gpu_matches_numpy_optimizers():
 def test_shakespeare_job_runs_on_the_gpu(tmp_path):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
+  # This process already holds XLA's preallocated share of the GPU; the job
+  # allocates as it goes (with its own 75% share it ran out of memory in
+  # CUB's first launch).
+  env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   out = subprocess.run(
     [
       sys.executable,

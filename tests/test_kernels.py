@@ -175,18 +175,28 @@ def _table(buf: Buffers, dim: int, seed: int, partitions=None) -> np.ndarray:
 
 def _slots(optimizer: str, table: np.ndarray, seed: int) -> tuple:
   rng = np.random.default_rng(seed)
-  n = len(optimizers.REGISTRY[optimizer].slot_names)
   out = []
-  for i in range(n):
-    if optimizer in ("adagrad", "adagrad_momentum", "ftrl", "f2a") and i == 0:
-      out.append(rng.uniform(0.1, 1.0, table.shape).astype(np.float32))
+  for i, slot in enumerate(optimizers.REGISTRY[optimizer].slots):
+    # Each slot at its width (a row-wise accumulator: [rows, 1]).
+    shape = (*table.shape[:-1], slot.width(table.shape[-1]))
+    if optimizer in ACCUMULATOR_FIRST and i == 0:
+      out.append(rng.uniform(0.1, 1.0, shape).astype(np.float32))
     elif optimizer in ("adam", "laprop") and i == 1:
-      out.append(rng.uniform(0.0, 0.5, table.shape).astype(np.float32))
+      out.append(rng.uniform(0.0, 0.5, shape).astype(np.float32))
     elif optimizer == "f2a":  # local_step: a count of updates.
-      out.append(rng.integers(0, 5, table.shape).astype(np.float32))
+      out.append(rng.integers(0, 5, shape).astype(np.float32))
     else:
-      out.append(rng.normal(size=table.shape).astype(np.float32) * 0.1)
+      out.append(rng.normal(size=shape).astype(np.float32) * 0.1)
   return tuple(out)
+
+
+ACCUMULATOR_FIRST = (
+  "adagrad",
+  "adagrad_momentum",
+  "ftrl",
+  "f2a",
+  "rowwise_adagrad",
+)
 
 
 HYPERPARAMETERS = {
@@ -197,6 +207,9 @@ HYPERPARAMETERS = {
   "ftrl": [0.1, -0.5, 0.0, 0.0, 0.0],
   "laprop": [0.01, 0.9, 0.7, 1e-30],
   "f2a": [0.05, 0.5, 0.01, 0.02, 100.0, 7.0],
+  # (lr, eps, embedding_dim, l2, decoupled): the mean over 12 of 19
+  # columns is allowed (a table narrower than its stack).
+  "rowwise_adagrad": [0.05, 1e-8, 12.0, 0.0, 0.0],
 }
 GRAD_CASES = [
   ("sgd", HYPERPARAMETERS["sgd"], {}),
@@ -211,6 +224,9 @@ GRAD_CASES = [
   ("laprop", [0.01, 0.5, 0.0, 1e-8], {}),
   ("f2a", HYPERPARAMETERS["f2a"], {}),
   ("f2a", [0.05, 1.5, 0.0, 0.0, 3.0, 0.0], {}),
+  ("rowwise_adagrad", HYPERPARAMETERS["rowwise_adagrad"], {}),
+  ("rowwise_adagrad", [0.05, 1e-6, 19.0, 0.01, 0.0], {}),
+  ("rowwise_adagrad", [0.05, 1e-6, 19.0, 0.0, 0.02], {}),
 ]
 
 FORWARD_CASES = {

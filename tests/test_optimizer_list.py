@@ -28,29 +28,60 @@ PRIMITIVES = ROOT / "pz_sparsecore/compat/lib/core/primitives"
 COMPILED = [opt for opt in optimizers.REGISTRY.values() if opt.compiled]
 
 
-def _cpp_list() -> list[tuple[str, str, int, int]]:
-  """The lines `X(Name, name, num_slots, num_hyperparameters)` of
-  `PZSC_OPTIMIZERS`, in order."""
+CPP_SHAPES = {"Table": "table", "Row": "rowwise_1d"}
+
+
+def _cpp_list() -> list[tuple[str, str, int, int, str, tuple[str, ...]]]:
+  """The lines `X(Name, name, num_slots, num_hyperparameters, rule, shape0,
+  shape1)` of `PZSC_OPTIMIZERS`, in order, with the slot shapes in the
+  registry's words (None columns dropped)."""
   text = (CSRC / "optimizer_list.h").read_text()
   body = re.search(r"#define PZSC_OPTIMIZERS\(X\)((?:.*\\\n)*.*\n)", text)
   assert body is not None, "optimizer_list.h defines no PZSC_OPTIMIZERS(X)"
-  lines = re.findall(r"X\((\w+), (\w+), (\d+), (\d+)\)", body.group(1))
-  return [(cpp, name, int(s), int(h)) for cpp, name, s, h in lines]
+  lines = re.findall(
+    r"X\((\w+), (\w+), (\d+), (\d+), (\w+), (\w+), (\w+)\)", body.group(1)
+  )
+  return [
+    (
+      cpp,
+      name,
+      int(s),
+      int(h),
+      rule,
+      tuple(CPP_SHAPES[x] for x in (s0, s1) if x != "None"),
+    )
+    for cpp, name, s, h, rule, s0, s1 in lines
+  ]
 
 
 def test_cpp_list_is_the_registry():
   rows = _cpp_list()
-  assert [(name, s, h) for _, name, s, h in rows] == [
-    (opt.name, len(opt.slots), len(opt.hyperparameter_names))
+  assert [(name, s, h, shapes) for _, name, s, h, _, shapes in rows] == [
+    (
+      opt.name,
+      len(opt.slots),
+      len(opt.hyperparameter_names),
+      tuple(slot.shape_text for slot in opt.slots),
+    )
     for opt in COMPILED
   ]
   rules = (CSRC / "optimizers.h").read_text()
-  for cpp, name, num_slots, _ in rows:
-    # The element rule takes the table element, one element per slot and
-    # the gradient.
-    rule = re.search(rf"void {cpp}Element\(([^)]*)\)", rules)
-    assert rule is not None, f"optimizers.h has no {cpp}Element ({name})"
-    assert rule.group(1).count("float&") == 1 + num_slots, rule.group(0)
+  for cpp, name, num_slots, _, rule_kind, _ in rows:
+    element = re.search(rf"void {cpp}Element\(([^)]*)\)", rules)
+    assert element is not None, f"optimizers.h has no {cpp}Element ({name})"
+    if rule_kind == "Element":
+      # The table element, one element per slot, then the gradient.
+      assert element.group(1).count("float&") == 1 + num_slots, element[0]
+      continue
+    assert rule_kind == "Row", (name, rule_kind)
+    # A row rule: the term of one element, the row's slot values once, then
+    # the table element alone.
+    assert element.group(1).count("float&") == 1, element.group(0)
+    assert f"{cpp}RowState&" in element.group(1), element.group(0)
+    row = re.search(rf"{cpp}Row\(([^)]*)\)", rules)
+    assert row is not None, f"optimizers.h has no {cpp}Row ({name})"
+    assert row.group(1).count("float&") == num_slots, row.group(0)
+    assert re.search(rf"float {cpp}RowTerm\(", rules), name
 
 
 def test_extension_describes_the_registry():
@@ -59,7 +90,7 @@ def test_extension_describes_the_registry():
   module = ffi.EXTENSION.module
   described = [tuple(h) for h in module.optimizers()]
   assert described == list(ffi.expected_optimizers())
-  for _, target, _, _ in described:
+  for _, target, *_ in described:
     assert ffi.available(target, "cpu"), target
   assert module.abi_version() == ffi.ABI_VERSION
 
@@ -96,15 +127,19 @@ class _NoDescription:
 def test_other_optimizer_handlers_are_a_mismatch():
   want = list(ffi.expected_optimizers())
   assert ffi.check_extension(_Extension(want), "/x.so").module is not None
-  name, target, num_slots, num_hyper = want[-1]
+  name, target, num_slots, num_hyper, shapes = want[-1]
   cases = {
     "missing": (want[:-1], f"{name}: extension none, registry {target}"),
     "slots": (
-      want[:-1] + [(name, target, num_slots + 1, num_hyper)],
+      want[:-1] + [(name, target, num_slots + 1, num_hyper, shapes)],
       f"{name}: extension {target} with {num_slots + 1} slots",
     ),
+    "shapes": (
+      want[:-1] + [(name, target, num_slots, num_hyper, ("table",))],
+      f"{name}: extension {target} with {num_slots} slots (table)",
+    ),
     "unknown": (
-      want + [("foo", "pzsc_sparse_dense_matmul_grad_foo", 1, 1)],
+      want + [("foo", "pzsc_sparse_dense_matmul_grad_foo", 1, 1, ("table",))],
       "foo: extension pzsc_sparse_dense_matmul_grad_foo",
     ),
   }
@@ -141,7 +176,11 @@ def test_every_registry_entry_has_its_spec():
     for attribute in opt.static_attributes:
       assert fields[attribute].type in ("bool", bool), (name, attribute)
     defaults = cls()
-    assert len(defaults.get_hyperparameters(3)) == len(opt.hyperparameter_names)
+    got = defaults.get_hyperparameters(3, embedding_dim=8)
+    assert len(got) == len(opt.hyperparameter_names)
+    if opt.needs_logical_dim:
+      with pytest.raises(ValueError, match="embedding_dim"):
+        defaults.get_hyperparameters(3)
 
 
 def _compat_specs() -> list[type]:

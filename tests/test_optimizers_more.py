@@ -127,6 +127,7 @@ def test_signatures_match_upstream():
     ("custom_computation_fn", None),
     ("slot_variable_initializers_tuple", ()),
     ("short_name_str", "custom"),
+    ("slot_shapes", None),
   ]
   for name in (
     "LaPropOptimizerSpec",

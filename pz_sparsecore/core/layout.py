@@ -43,6 +43,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from pz_sparsecore.core import optimizers
 from pz_sparsecore.core.buffer_format import (
   ALIGNMENT,
   compute_theoretical_max_coo_buffer_size,
@@ -315,6 +316,17 @@ def _check_stackable(
         f"tables {table_names} in stack {stack_name!r} have different "
         "quantization configs"
       )
+    if (
+      first.optimizer.definition.needs_logical_dim
+      and tables[name].embedding_dim != first.embedding_dim
+    ):
+      raise ValueError(
+        f"tables {table_names} in stack {stack_name!r} have different "
+        f"embedding_dims ({first.name}: {first.embedding_dim}, {name}: "
+        f"{tables[name].embedding_dim}); their optimizer "
+        f"{first.optimizer.short_name()} averages over each table's own "
+        "width, so it needs one"
+      )
 
 
 def _stack_width(
@@ -495,8 +507,9 @@ def compatible_table_groups(
 ) -> list[list[str]]:
   """The stacks `auto_stack_tables` forms, as lists of table names.
 
-  Unstacked tables (in first-appearance order) grouped by padded width,
-  optimizer, combiner and quantization config (and by membership of
+  Unstacked tables (in first-appearance order) grouped by padded width
+  (the exact width for a row-wise optimizer's tables), optimizer, combiner
+  and quantization config (and by membership of
   `apart`: tables placed differently never share a stack), each group
   split greedily by activation memory per SparseCore (see
   `auto_stack_tables`). A table alone in its group is a list of one.
@@ -511,8 +524,15 @@ def compatible_table_groups(
   for name, table in tables.items():
     if table.stacked_table_spec is not None:
       continue
+    # A row-wise optimizer's mean divides by the table's own width: such
+    # tables stack with tables of that exact width only.
+    width = (
+      table.embedding_dim
+      if table.optimizer.definition.needs_logical_dim
+      else round_up(table.embedding_dim)
+    )
     key = (
-      round_up(table.embedding_dim),
+      width,
       table.optimizer,
       table.combiner,
       table.quantization_config,
@@ -837,6 +857,8 @@ def stack_and_shard_tables(
   tables: Mapping[str, Any],
   num_shards: int,
   pad_value: float = np.nan,
+  *,
+  slot_shape: optimizers.SlotShapeLike = None,
 ) -> dict[str, Any]:
   """Logical tables → stacked, MOD-sharded physical tables.
 
@@ -846,6 +868,10 @@ def stack_and_shard_tables(
       e.g. slots); every table of a stack must be given.
     num_shards: N = devices x SparseCores.
     pad_value: Value of padding rows and columns.
+    slot_shape: None (or "table") for tables and table-shaped slots; for
+      optimizer slots of another shape (`optimizers.SlotShape`), the arrays
+      are the slot's logical shape (`[vocab]` for "rowwise_1d", `[vocab, k]`
+      for width k) and the result `[N, V_shard, width]`.
 
   Returns:
     Stack name → `[N, V_shard, D]` float32 numpy array (or pytree thereof).
@@ -853,11 +879,12 @@ def stack_and_shard_tables(
   Raises:
     ValueError: On a missing table or a shape mismatch.
   """
+  slot = optimizers.Slot("", shape=slot_shape)
   out: dict[str, Any] = {}
   for stack_name, members in get_table_stacks(table_specs).items():
     stacked_spec = members[0].stacked_table_spec
     v_shard = stacked_spec.stack_vocab_size // num_shards
-    dim = stacked_spec.stack_embedding_dim
+    dim = slot.width(stacked_spec.stack_embedding_dim)
     for table in members:
       if table.name not in tables:
         raise ValueError(f"stack {stack_name!r}: table {table.name!r} missing")
@@ -867,7 +894,9 @@ def stack_and_shard_tables(
       stacked = np.full((num_shards, v_shard, dim), pad_value, np.float32)
       for table, values in zip(members, leaves, strict=True):
         values = np.asarray(values, dtype=np.float32)
-        expected = (table.vocabulary_size, table.embedding_dim)
+        expected = slot.logical_shape(
+          table.vocabulary_size, table.embedding_dim
+        )
         if values.shape != expected:
           raise ValueError(
             f"table {table.name!r}: expected shape {expected}, got "
@@ -878,7 +907,8 @@ def stack_and_shard_tables(
         padded = np.full(
           (setting.padded_vocab_size, dim), pad_value, np.float32
         )
-        padded[: expected[0], : expected[1]] = values
+        width = slot.width(table.embedding_dim)
+        padded[: expected[0], :width] = values.reshape(expected[0], width)
         sharded = padded.reshape(rows, num_shards, dim).swapaxes(0, 1)
         sharded = np.roll(sharded, setting.shard_rotation, axis=0)
         offset = setting.row_offset_in_shard
@@ -897,7 +927,11 @@ def stack_and_shard_tables(
 
 
 def unshard_and_unstack_tables(
-  table_specs: Any, stacked_tables: Mapping[str, Any], num_shards: int
+  table_specs: Any,
+  stacked_tables: Mapping[str, Any],
+  num_shards: int,
+  *,
+  slot_shape: optimizers.SlotShapeLike = None,
 ) -> dict[str, Any]:
   """Stacked physical tables → logical tables; the inverse of stacking.
 
@@ -906,6 +940,9 @@ def unshard_and_unstack_tables(
     stacked_tables: Stack name → `[N, V_shard, D]` or `[N * V_shard, D]`
       array (or a pytree of such arrays).
     num_shards: N = devices x SparseCores.
+    slot_shape: As in `stack_and_shard_tables`: for optimizer slots of
+      another shape than the table's, the stacked arrays are
+      `[N, V_shard, width]` and the results the slot's logical shape.
 
   Returns:
     Table name → `[vocab, dim]` numpy array (or pytree thereof).
@@ -913,6 +950,7 @@ def unshard_and_unstack_tables(
   Raises:
     ValueError: On a missing stack or a shape mismatch.
   """
+  slot = optimizers.Slot("", shape=slot_shape)
   out: dict[str, Any] = {}
   for table in _table_list(table_specs):
     stacked_spec = table.stacked_table_spec
@@ -920,17 +958,19 @@ def unshard_and_unstack_tables(
     if stack_name not in stacked_tables:
       raise ValueError(f"table {table.name!r}: stack {stack_name!r} missing")
     out[table.name] = jax.tree.map(
-      lambda leaf, table=table: _unstack_leaf(table, leaf, num_shards),
+      lambda leaf, table=table: _unstack_leaf(table, leaf, num_shards, slot),
       stacked_tables[stack_name],
     )
   return out
 
 
-def _unstack_leaf(table: TableSpec, stacked: Any, n: int) -> np.ndarray:
-  """One logical table out of one stacked array."""
+def _unstack_leaf(
+  table: TableSpec, stacked: Any, n: int, slot: optimizers.Slot
+) -> np.ndarray:
+  """One logical table (or slot) out of one stacked array."""
   stacked_spec = table.stacked_table_spec
   stacked = np.asarray(stacked)
-  dim = stacked_spec.stack_embedding_dim
+  dim = slot.width(stacked_spec.stack_embedding_dim)
   if stacked.size != stacked_spec.stack_vocab_size * dim:
     raise ValueError(
       f"stack {stacked_spec.stack_name!r}: expected "
@@ -945,4 +985,7 @@ def _unstack_leaf(table: TableSpec, stacked: Any, n: int) -> np.ndarray:
     stacked[:, offset : offset + rows], -setting.shard_rotation, 0
   )
   values = values.swapaxes(0, 1).reshape(-1, dim)
-  return values[: table.vocabulary_size, : table.embedding_dim].copy()
+  values = values[: table.vocabulary_size, : slot.width(table.embedding_dim)]
+  return values.reshape(
+    slot.logical_shape(table.vocabulary_size, table.embedding_dim)
+  ).copy()

@@ -72,15 +72,59 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
 Rows = jax.Array
 RowUpdate = Callable[..., tuple[Rows, tuple[Rows, ...]]]
+
+
+class SlotShape(enum.StrEnum):
+  """How many values a slot variable holds per table row.
+
+  `TABLE`: one per table element (the slot is shaped like the table,
+  `(vocab, dim)`); `ROWWISE_1D`: one per row (`(vocab,)`). A slot may also
+  declare an int `k`: `k` values per row (`(vocab, k)`; custom optimizers
+  only). The string values are upstream's (`"table"`, `"rowwise_1d"`; its
+  `"1d"` is accepted for the latter), so upstream's literals compare equal.
+  """
+
+  TABLE = "table"
+  ROWWISE_1D = "rowwise_1d"
+
+
+SlotShapeLike = SlotShape | Literal["table", "rowwise_1d", "1d"] | int | None
+"""What a slot shape may be given as (upstream's `SlotShapeType`)."""
+
+
+def slot_shape(value: SlotShapeLike) -> SlotShape | int:
+  """`value` as a `SlotShape`, or an int width >= 1.
+
+  Raises:
+    ValueError: If `value` is none of `SlotShapeLike`.
+  """
+  if value is None:
+    return SlotShape.TABLE
+  if isinstance(value, SlotShape):
+    return value
+  if isinstance(value, str):
+    if value == "1d":
+      return SlotShape.ROWWISE_1D
+    try:
+      return SlotShape(value)
+    except ValueError:
+      pass
+  elif isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+    return value
+  raise ValueError(
+    f"slot shape {value!r}: expected 'table', 'rowwise_1d' (or '1d'), None "
+    "or an int width >= 1"
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +135,38 @@ class Slot:
     name: The slot's name (variable labels end in it).
     initial_value_field: The spec field holding its initial value, or None
       for a slot that starts at 0.
+    shape: Values per table row (`SlotShape` or an int width); physically
+      every slot is `[shards, rows per shard, width(dim)]`.
   """
 
   name: str
   initial_value_field: str | None = None
+  shape: SlotShape | int = SlotShape.TABLE
+
+  def __post_init__(self):
+    object.__setattr__(self, "shape", slot_shape(self.shape))
+
+  def width(self, dim: int) -> int:
+    """Values per row in a table (or stack) `dim` wide."""
+    if self.shape is SlotShape.TABLE:
+      return dim
+    if self.shape is SlotShape.ROWWISE_1D:
+      return 1
+    return self.shape
+
+  def logical_shape(self, vocab: int, dim: int) -> tuple[int, ...]:
+    """The slot's shape for one table (upstream's): `(vocab, dim)`,
+    `(vocab,)` or `(vocab, k)`."""
+    if self.shape is SlotShape.ROWWISE_1D:
+      return (vocab,)
+    return (vocab, self.width(dim))
+
+  @property
+  def shape_text(self) -> str:
+    """`"table"`, `"rowwise_1d"` or the width, as checkpoints record it."""
+    return str(
+      self.shape.value if isinstance(self.shape, SlotShape) else self.shape
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,25 +179,47 @@ class Optimizer:
     hyperparameter_names: The entries of the hyper-parameter vector.
     hyperparameters: `(spec, learning_rate, step) -> tuple` of float32
       scalars in `hyperparameter_names` order.
-    update: `(rows, slot_rows, grads, h, **static) -> (rows, slot_rows)`,
-      elementwise on `[n, dim]` rows; `h` is the hyper-parameter vector.
+    update: `(rows, slot_rows, grads, h, **static) -> (rows, slot_rows)`
+      on `[n, dim]` rows and `[n, width]` slot rows (each slot's
+      `Slot.width(dim)`); `h` is the hyper-parameter vector.
     static_attributes: Spec fields passed to the kernels as compile-time
       attributes (and to `update` as keywords).
     compiled: Whether the C++ handlers implement it (FFI target
       `pzsc_sparse_dense_matmul_grad_{name}`); False for a custom optimizer.
+    needs_logical_dim: Whether the hyper-parameters include the table's own
+      width (`hyperparameters(..., embedding_dim=d)`): a row-wise mean over a
+      table padded to its stack's width divides by `d`, so every table of
+      such a stack must have the same width.
   """
 
   name: str
   slots: tuple[Slot, ...]
   hyperparameter_names: tuple[str, ...]
-  hyperparameters: Callable[[Any, jax.Array, Any], tuple[jax.Array, ...]]
+  hyperparameters: Callable[..., tuple[jax.Array, ...]]
   update: RowUpdate
   static_attributes: tuple[str, ...] = ()
   compiled: bool = True
+  needs_logical_dim: bool = False
+
+  def __post_init__(self):
+    if self.compiled and any(isinstance(s.shape, int) for s in self.slots):
+      raise ValueError(
+        f"optimizer {self.name!r}: slots of an int width have no compiled "
+        "handler (only 'table' and 'rowwise_1d' slots do)"
+      )
 
   @property
   def slot_names(self) -> tuple[str, ...]:
     return tuple(slot.name for slot in self.slots)
+
+  def slot_widths(self, dim: int) -> tuple[int, ...]:
+    """Each slot's values per row in a table (or stack) `dim` wide."""
+    return tuple(slot.width(dim) for slot in self.slots)
+
+  @property
+  def elementwise_slots(self) -> bool:
+    """Whether every slot is shaped like the table."""
+    return all(slot.shape is SlotShape.TABLE for slot in self.slots)
 
   @functools.cached_property
   def slot_tuple_type(self) -> type:
@@ -212,31 +306,56 @@ def _f2a(w, slots, g, h):
   return w - lr * update, (acc, local_step)
 
 
-def _custom_update(name: str, fn: Callable, num_slots: int) -> RowUpdate:
+def _rowwise_adagrad(w, slots, g, h):
+  (a,) = slots  # [n, 1]
+  lr, eps, dim, l2, decoupled = (h[i] for i in range(5))
+  # The mean square over the table's own `dim` columns (a stack pads its
+  # rows with columns that the initializer filled but no lookup reads).
+  own = jnp.arange(w.shape[-1]) < dim
+  gd = jnp.where(own, g + l2 * w, 0.0)
+  a = a + jnp.sum(gd * gd, axis=-1, keepdims=True) / dim
+  m = lr / (jnp.sqrt(a) + eps)
+  return (1.0 - m * l2 - lr * decoupled) * w - m * g, (a,)
+
+
+def _custom_update(
+  name: str, fn: Callable, slots: tuple[Slot, ...]
+) -> RowUpdate:
   """The row update of a custom optimizer: `fn` once per row, as upstream.
 
   Upstream calls `fn(grad, table, *slots, *hyperparameters)` on one row at
-  a time, every argument (hyper-parameters broadcast) a float32 `[1, dim]`
-  array, and reads back the new table row, or a tuple `(table, *slots)`.
-  Here `fn` is vmapped over the `[n, dim]` rows, so it sees exactly those
-  shapes.
+  a time, the table row, the gradient and the hyper-parameters (broadcast)
+  float32 `[1, dim]` arrays, each slot row `[1, dim]` ("table" slots),
+  `[1]` ("rowwise_1d") or `[1, k]` (width `k`), and reads back the new
+  table row, or a tuple `(table, *slots)` in those shapes. Here `fn` is
+  vmapped over the rows, so it sees exactly those shapes.
   """
 
-  def one_row(h, w, g, *slots):
+  def view(slot, x):
+    return x if slot.shape is SlotShape.ROWWISE_1D else x[None]
+
+  def one_row(h, w, g, *slot_rows):
     dim = w.shape[-1]
     hyper = [jnp.broadcast_to(h[i], (1, dim)) for i in range(h.shape[0])]
-    out = fn(g[None], w[None], *(s[None] for s in slots), *hyper)
+    out = fn(
+      g[None],
+      w[None],
+      *(view(s, x) for s, x in zip(slots, slot_rows, strict=True)),
+      *hyper,
+    )
     leaves = [jnp.asarray(x) for x in jax.tree.leaves(out)]
-    if len(leaves) != 1 + num_slots or any(
-      x.shape != (1, dim) or x.dtype != jnp.float32 for x in leaves
+    want = [(1, dim)] + [view(s, jnp.zeros(s.width(dim))).shape for s in slots]
+    if len(leaves) != len(want) or any(
+      x.shape != shape or x.dtype != jnp.float32
+      for x, shape in zip(leaves, want, strict=True)
     ):
       raise ValueError(
         f"CustomOptimizerSpec {name!r}: custom_computation_fn must return "
-        f"{1 + num_slots} float32 [1, {dim}] arrays (the table row, then "
-        f"each of its {num_slots} slots), got "
+        f"{len(want)} float32 arrays shaped {want} (the table row, then "
+        f"each of its {len(slots)} slots), got "
         f"{[(x.dtype.name, x.shape) for x in leaves]}"
       )
-    return tuple(x[0] for x in leaves)
+    return tuple(x.reshape(-1) for x in leaves)
 
   def update(w, slots, g, h):
     new_w, *new_slots = jax.vmap(
@@ -284,6 +403,21 @@ def _f2a_hyper(spec, lr, step):
       "max_lr_multiplier",
     )(spec, lr, step),
     _f32(0 if step is None else step),
+  )
+
+
+def _rowwise_adagrad_hyper(spec, lr, step, *, embedding_dim):
+  """`(lr, eps, embedding_dim, l2, decoupled)`: the weight decay in the
+  entry of its mode, 0 in the other."""
+  del step
+  wd = _f32(spec.weight_decay)
+  zero = jnp.float32(0.0)
+  return (
+    lr,
+    _f32(spec.epsilon),
+    _f32(embedding_dim),
+    wd if spec.weight_decay_mode == "l2" else zero,
+    wd if spec.weight_decay_mode == "decoupled" else zero,
   )
 
 
@@ -344,21 +478,46 @@ REGISTRY: dict[str, Optimizer] = {
       _f2a_hyper,
       _f2a,
     ),
+    Optimizer(
+      "rowwise_adagrad",
+      (Slot("accumulator", "initial_accumulator_value", SlotShape.ROWWISE_1D),),
+      (
+        "learning_rate",
+        "epsilon",
+        "embedding_dim",
+        "l2_weight_decay",
+        "decoupled_weight_decay",
+      ),
+      _rowwise_adagrad_hyper,
+      _rowwise_adagrad,
+      needs_logical_dim=True,
+    ),
   )
 }
 """Optimizers of the fused update, by kernel name."""
 
 
-def custom(name: str, fn: Callable, slot_names: tuple[str, ...]) -> Optimizer:
+def custom(
+  name: str,
+  fn: Callable,
+  slot_names: tuple[str, ...],
+  slot_shapes: tuple[SlotShapeLike, ...] | None = None,
+) -> Optimizer:
   """The entry of a custom optimizer: `fn` (upstream's calling convention,
-  see `_custom_update`) with slots `slot_names`, reading `(learning_rate,)`.
+  see `_custom_update`) with slots `slot_names` of `slot_shapes` (all
+  "table" when None), reading `(learning_rate,)`.
   """
+  shapes = slot_shapes or (None,) * len(slot_names)
+  slots = tuple(
+    Slot(slot, shape=shape)
+    for slot, shape in zip(slot_names, shapes, strict=True)
+  )
   return Optimizer(
     name,
-    tuple(Slot(slot) for slot in slot_names),
+    slots,
     ("learning_rate",),
     _lr_and(),
-    _custom_update(name, fn, len(slot_names)),
+    _custom_update(name, fn, slots),
     compiled=False,
   )
 

@@ -118,6 +118,12 @@ class StackPlan:
     return self.spec.optimizer
 
   @property
+  def logical_dim(self) -> int:
+    """The members' own width (a row-wise optimizer's mean divides by it;
+    `_check_stack` makes it one value for such a stack)."""
+    return self.tables[0].embedding_dim
+
+  @property
   def quantization(self) -> tuple[float, float, int] | None:
     """`(min_value, max_value, num_buckets)` lookups read through, or None."""
     config = self.spec.quantization_config
@@ -259,6 +265,14 @@ def _check_stack(
         f"for another topology: its padded vocabulary {padded} does not "
         f"split over {n} shards (of a multiple of {buffer_format.ALIGNMENT} "
         "rows)"
+      )
+  if stacked.optimizer.definition.needs_logical_dim:
+    dims = {f.table_spec.name: f.table_spec.embedding_dim for f in features}
+    if len(set(dims.values())) > 1:
+      raise ValueError(
+        f"stack {name!r}: its optimizer {stacked.optimizer.short_name()} "
+        "averages over each table's own width, so its tables must have one "
+        f"embedding_dim; got {dict(sorted(dims.items()))}"
       )
   samples = sum(f.sample_count for f in features)
   if stacked.total_sample_count != samples:

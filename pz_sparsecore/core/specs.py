@@ -235,12 +235,36 @@ class OptimizerSpec:
     return jnp.asarray(lr, dtype=jnp.float32)
 
   def get_hyperparameters(
-    self, step: jax.Array | int | None = None
+    self,
+    step: jax.Array | int | None = None,
+    *,
+    embedding_dim: int | None = None,
   ) -> tuple[jax.Array, ...]:
-    """The float32 hyper-parameters of the update at `step`, in kernel order."""
+    """The float32 hyper-parameters of the update at `step`, in kernel order.
+
+    `embedding_dim`: the table's own width, which a row-wise optimizer's
+    mean over a row divides by (`definition.needs_logical_dim`; ignored by
+    the others).
+
+    Raises:
+      ValueError: If the optimizer needs `embedding_dim` and it is missing.
+    """
+    context = {}
+    if self.definition.needs_logical_dim:
+      if embedding_dim is None:
+        raise ValueError(
+          f"{type(self).__name__}: the hyper-parameters need the table's "
+          "embedding_dim (its row-wise mean divides by it); pass "
+          "embedding_dim"
+        )
+      context["embedding_dim"] = embedding_dim
     return self.definition.hyperparameters(
-      self, self.get_learning_rate(step), step
+      self, self.get_learning_rate(step), step, **context
     )
+
+  def slot_shapes(self) -> tuple[optimizers.SlotShape | int, ...]:
+    """Each slot's values per row, in kernel order (`SlotShape` or int)."""
+    return tuple(s.shape for s in self.definition.slots)
 
   def slot_variables_initializers(self) -> tuple[Initializer, ...]:
     """A NamedTuple of initialisers, one per slot (empty for SGD)."""
@@ -304,6 +328,67 @@ class AdagradOptimizerSpec(OptimizerSpec):
       ">= 0",
       "the square root of a negative accumulator",
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class RowwiseAdagradOptimizerSpec(OptimizerSpec):
+  """Exact row-wise Adagrad (FBGEMM's `EXACT_ROWWISE_ADAGRAD`): one
+  accumulator per table row instead of one per element.
+
+  For a row `w` (the table's `D = embedding_dim` values) and its summed
+  gradient `g`, with `wd = weight_decay`::
+
+    g' = g + wd * w                  (mode "l2"; else g' = g)
+    a  <- a + sum(g'**2) / D         (the mean square over the row)
+    m  =  learning_rate / (sqrt(a) + epsilon)
+    w  <- c * w - m * g              (the raw g)
+
+  with `c = 1 - m * wd` (mode "l2"), `1 - learning_rate * wd`
+  ("decoupled") or `1` ("none"). The accumulator is a `"rowwise_1d"` slot:
+  4 bytes per row where Adagrad keeps `4 * D`. Defaults are FBGEMM's (the
+  accumulator starts at 0).
+
+  `D` is the table's own width, also when the table is padded to a wider
+  stack: the sum runs over the table's own `D` columns and divides by `D`,
+  so tables of a stack with this optimizer must have the same
+  `embedding_dim`. As for every optimizer, a
+  row referenced in several minibatches of a step is updated once per
+  minibatch.
+  """
+
+  kernel_name: ClassVar[str] = "rowwise_adagrad"
+
+  learning_rate: LearningRate = 0.01
+  epsilon: float = 1e-8
+  initial_accumulator_value: float = 0.0
+  weight_decay: float = 0.0
+  weight_decay_mode: str = "none"
+
+  def _check_hyperparameters(self) -> None:
+    self._require(
+      "epsilon", self.epsilon >= 0, ">= 0", "it is added to a square root"
+    )
+    self._require(
+      "initial_accumulator_value",
+      self.initial_accumulator_value >= 0,
+      ">= 0",
+      "the square root of a negative accumulator",
+    )
+    self._require(
+      "weight_decay", self.weight_decay >= 0, ">= 0", "it shrinks the rows"
+    )
+    self._require(
+      "weight_decay_mode",
+      self.weight_decay_mode in ("none", "l2", "decoupled"),
+      "'none', 'l2' or 'decoupled'",
+      "FBGEMM's modes",
+    )
+    if self.epsilon == 0 and self.initial_accumulator_value == 0:
+      raise ValueError(
+        f"{type(self).__name__}: epsilon and initial_accumulator_value "
+        "cannot both be 0: a row whose gradient has always been 0 would be "
+        "updated by 0 * lr / sqrt(0)"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,10 +570,15 @@ class F2AOptimizerSpec(OptimizerSpec):
     )
 
   def get_hyperparameters(
-    self, step: jax.Array | int | None = None
+    self,
+    step: jax.Array | int | None = None,
+    *,
+    embedding_dim: int | None = None,
   ) -> tuple[jax.Array, ...]:
     """`(lr, rho, l1, l2, max_lr_multiplier, step)` at `step` (None: 0)."""
-    return super().get_hyperparameters(0 if step is None else step)
+    return super().get_hyperparameters(
+      0 if step is None else step, embedding_dim=embedding_dim
+    )
 
 
 def _accepts(fn: Callable[..., Any], num_args: int) -> bool:
@@ -508,17 +598,33 @@ class CustomOptimizerSpec(OptimizerSpec):
   """An optimizer given as a JAX function of one row, as upstream.
 
   `custom_computation_fn(grad, table, *slots, learning_rate)` receives one
-  table row, its summed gradient, its slots and the learning rate, each a
-  float32 `[1, dim]` array, and returns the new row, or the tuple
-  `(new_row, *new_slots)`. Slot `i` starts from
-  `slot_variable_initializers_tuple[i]` and is named by the tuple's field
-  (a NamedTuple) or `slot_{i}`. Example, Adagrad::
+  table row, its summed gradient, its slots and the learning rate, and
+  returns the new row, or the tuple `(new_row, *new_slots)`. The row, the
+  gradient and the learning rate are float32 `[1, dim]` arrays; slot `i`'s
+  row is shaped by `slot_shapes[i]`, as upstream: `[1, dim]` for "table"
+  (the default, also for every slot when `slot_shapes` is None), `[1]` for
+  "rowwise_1d" (one value per table row) and `[1, k]` for an int `k`; the
+  function returns each slot in its shape. `dim` is the stack's width: a
+  table narrower than its stack sees zero padding columns. Slot `i` starts
+  from `slot_variable_initializers_tuple[i]` and is named by the tuple's
+  field (a NamedTuple) or `slot_{i}`. Example, Adagrad::
 
     def adagrad(grad, table, accumulator, lr):
       accumulator = accumulator + grad * grad
       return table - lr * grad / jnp.sqrt(accumulator), accumulator
 
     CustomOptimizerSpec(0.1, adagrad, (jax.nn.initializers.constant(0.1),))
+
+  and with one accumulator per row::
+
+    def rowwise(grad, table, accumulator, lr):
+      accumulator = accumulator + jnp.mean(grad * grad)
+      return table - lr * grad / jnp.sqrt(accumulator), accumulator
+
+    CustomOptimizerSpec(
+      0.1, rowwise, (jax.nn.initializers.constant(0.1),),
+      slot_shapes=("rowwise_1d",),
+    )
 
   Implementation: pure JAX, with no compiled handler on any platform. The
   fused update (the reference backward, `kernels.reference`) sums the
@@ -535,6 +641,7 @@ class CustomOptimizerSpec(OptimizerSpec):
   custom_computation_fn: Callable[..., Any] | None = None
   slot_variable_initializers_tuple: tuple[Initializer, ...] = ()
   short_name_str: str = "custom"
+  slot_shapes: tuple[optimizers.SlotShapeLike, ...] | None = None
 
   def _check_hyperparameters(self) -> None:
     self._require(
@@ -559,6 +666,21 @@ class CustomOptimizerSpec(OptimizerSpec):
       "it names the optimizer",
     )
     num_slots = len(self.slot_variable_initializers_tuple)
+    if self.slot_shapes is not None:
+      shapes = self.slot_shapes
+      if isinstance(shapes, list):
+        shapes = tuple(shapes)
+      self._require(
+        "slot_shapes",
+        isinstance(shapes, tuple) and len(shapes) == num_slots,
+        f"a tuple of {num_slots} slot shapes",
+        "one per slot initializer",
+      )
+      try:
+        shapes = tuple(map(optimizers.slot_shape, shapes))
+      except ValueError as e:
+        raise ValueError(f"{type(self).__name__}: {e}") from None
+      object.__setattr__(self, "slot_shapes", shapes)
     self._require(
       "custom_computation_fn",
       _accepts(self.custom_computation_fn, 2 + num_slots + 1),
@@ -570,7 +692,10 @@ class CustomOptimizerSpec(OptimizerSpec):
   def definition(self) -> optimizers.Optimizer:
     """The optimizer's entry, made from `custom_computation_fn`."""
     return optimizers.custom(
-      self.short_name_str, self.custom_computation_fn, self.slot_names()
+      self.short_name_str,
+      self.custom_computation_fn,
+      self.slot_names(),
+      self.slot_shapes,
     )
 
   def short_name(self) -> str:

@@ -64,8 +64,8 @@ class Cost:
   Attributes:
     stack: The stack's name.
     tables: Its tables.
-    replicated_bytes: Table and slots on one device, `4 N V_shard D (1 +
-      slots)`.
+    replicated_bytes: Table and slots on one device, `4 N V_shard (D +
+      the slots' widths)` (a "table" slot's width is D, a row-wise one's 1).
     replicated_step: Predicted bytes per device per step, replicated.
     sharded_step: The same for the cheaper sharded exchange.
   """
@@ -94,8 +94,10 @@ def cost(plan: Plan, stack: StackPlan) -> Cost:
     for mode in (exchange_lib.ACTIVATIONS, exchange_lib.ROWS)
   )
   replicated = exchange_lib.predict_bytes(exchange_lib.REPLICATED, **sizes).step
-  slots = len(stack.optimizer.slot_names())
-  memory = 4 * plan.num_shards * stack.rows_per_shard * stack.dim * (1 + slots)
+  # The table and each slot at its width (D for a "table" slot, 1 for a
+  # row-wise one).
+  width = stack.dim + sum(stack.optimizer.definition.slot_widths(stack.dim))
+  memory = 4 * plan.num_shards * stack.rows_per_shard * width
   return Cost(
     stack.name,
     tuple(t.name for t in stack.tables),

@@ -568,7 +568,9 @@ def hyperparameters(plan: Plan, step: jax.Array | int):
     stack.name: jnp.stack(
       [
         jnp.asarray(h, jnp.float32)
-        for h in stack.optimizer.get_hyperparameters(step)
+        for h in stack.optimizer.get_hyperparameters(
+          step, embedding_dim=stack.logical_dim
+        )
       ]
     )
     for stack in plan.stacks

@@ -82,6 +82,17 @@ class StackLayout:
   def shape(self) -> tuple[int, int, int]:
     return (self.num_shards, self.rows_per_shard, self.dim)
 
+  def with_width(self, width: int) -> StackLayout:
+    """The layout of a slot `width` values per row (a row-wise slot: 1),
+    each member's columns `width` too: the rows move as the table's."""
+    if width == self.dim:
+      return self
+    return dataclasses.replace(
+      self,
+      dim=width,
+      tables=tuple(dataclasses.replace(t, dim=width) for t in self.tables),
+    )
+
   def to_json(self) -> dict[str, Any]:
     """The layout as the manifest stores it."""
     out = dataclasses.asdict(self)

@@ -168,6 +168,11 @@ def _describe_embed(embed: SparseCoreEmbed, out: Description):
       "dtype": dtype,
       "optimizer": stack.optimizer.short_name(),
       "arrays": arrays,
+      # Each slot's values per row ("table", "rowwise_1d" or a width);
+      # absent in older checkpoints, whose slots are all "table".
+      "slot_shapes": {
+        slot.name: slot.shape_text for slot in stack.optimizer.definition.slots
+      },
       "limits": describe_limits(config.plan, stack),
     }
   return stacks
@@ -317,7 +322,12 @@ def stored_tables(stacks: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
 
 
 def _optimizer_text(entry: Mapping[str, Any]) -> str:
-  slots = [name for name in entry["arrays"] if name != TABLE]
+  shapes = entry.get("slot_shapes") or {}
+  slots = [
+    name if shapes.get(name, "table") == "table" else f"{name}[{shapes[name]}]"
+    for name in entry["arrays"]
+    if name != TABLE
+  ]
   if not slots:
     return entry["optimizer"]
   return f"{entry['optimizer']} (slots {', '.join(slots)})"

@@ -26,6 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from penzai import pz
 
+from pz_sparsecore.core import optimizers
 from pz_sparsecore.nn._ckpt_layout import (
   Source,
   StackLayout,
@@ -40,6 +41,7 @@ from pz_sparsecore.nn.embed import (
   find_embeds,
   named_table,
 )
+from pz_sparsecore.nn.tables import slot_axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,8 @@ class StackRead:
     target: The model's layout of the stack.
     keys: The stored arrays it comes from.
     sources: None to take `keys[0]` as it is, else the relayout's sources.
+    axis: The variable's last axis (`named_table`): None for the
+      embedding axis, else a slot's (`tables.slot_axis`).
   """
 
   config: EmbedConfig
@@ -59,6 +63,7 @@ class StackRead:
   target: StackLayout
   keys: tuple[str, ...]
   sources: tuple[Source, ...] | None
+  axis: str | None = None
 
   def __call__(self, arrays: Mapping[str, Any]) -> pz.nx.NamedArray:
     stored = [arrays[key] for key in self.keys]
@@ -70,7 +75,7 @@ class StackRead:
       value = relayout(stored, self.sources, self.target, topology.sharding(3))
       if topology.is_replicated(self.stack):
         value = jax.device_put(value, topology.table_sharding(self.stack))
-    return named_table(self.config, value)
+    return named_table(self.config, value, self.axis)
 
 
 def _leaf_args(entry: Mapping[str, Any], target: Any) -> ocp.RestoreArgs:
@@ -106,11 +111,17 @@ def _sources(
 
 
 def _stack_args(
-  entry: Mapping[str, Any], embed: SparseCoreEmbed, stack: str, direct: bool
+  entry: Mapping[str, Any],
+  embed: SparseCoreEmbed,
+  stack: str,
+  direct: bool,
+  slot: optimizers.Slot | None,
 ) -> ocp.ArrayRestoreArgs:
-  """Reads a stored stack into the layer's shards (or copies, for a
-  replicated stack), or for a relayout."""
+  """Reads a stored stack's table (or slot `slot`) into the layer's shards
+  (or copies, for a replicated stack), or for a relayout."""
   layout = StackLayout.from_json(entry["layout"])
+  if slot is not None:
+    layout = layout.with_width(slot.width(layout.dim))
   topology = embed.config.topology
   sharding, shape = topology.table_sharding(stack), layout.shape
   if not direct:
@@ -132,16 +143,20 @@ def _embed_reads(
   for stack in config.plan.stacks:
     target = stack_layout(config.plan, stack)
     names, sources = _sources(stack.name, target, stacks)
-    labels = {TABLE: config.table_label(stack.name)}
-    for slot in stack.optimizer.slot_names():
-      labels[slot] = config.slot_label(stack.name, slot)
-    for array, label in labels.items():
+    labels = {TABLE: (config.table_label(stack.name), None)}
+    for slot in stack.optimizer.definition.slots:
+      labels[slot.name] = (config.slot_label(stack.name, slot.name), slot)
+    for array, (label, slot) in labels.items():
       keys = tuple(stacks[name]["arrays"][array] for name in names)
       for name, key in zip(names, keys, strict=True):
         args[key] = _stack_args(
-          stacks[name], embed, stack.name, sources is None
+          stacks[name], embed, stack.name, sources is None, slot
         )
-      out[label] = StackRead(config, stack.name, target, keys, sources)
+      layout, axis = target, None
+      if slot is not None:
+        layout = target.with_width(slot.width(target.dim))
+        axis = slot_axis(config, slot)
+      out[label] = StackRead(config, stack.name, layout, keys, sources, axis)
   return out
 
 

@@ -5,7 +5,8 @@ The layer owns one `pz.Parameter` per stack, labelled
 `("sc_shard", "sc_row", embedding_axis)` and shape `[N, V_shard, D]`,
 sharded over the mesh's sharding axis (device `d` holds shards
 `d*S .. d*S+S-1`). The optimizer's slots sit beside it as `pz.StateVariable`s
-labelled `f"{name}/{stack}.{slot}"`, shaped like the table.
+labelled `f"{name}/{stack}.{slot}"`, shaped like the table (a row-wise
+slot: `[N, V_shard, 1]`, last axis `sc_slot`).
 
 Calling the layer on a `PreprocessedInput` (from `layer.preprocess`) returns
 one `NamedArray` per feature, with the feature's sample axes (default
@@ -58,6 +59,7 @@ from pz_sparsecore.nn.tables import (
   assign_arrays,
   named_table,
   slot_arrays,
+  slot_axis,
   table_arrays,
 )
 
@@ -422,10 +424,18 @@ def _init_values(
     return keys, {s.name: jnp.zeros(shape(s), jnp.float32) for s in stacks}
 
   def make_slots():
+    # Each slot `[N, V_shard, width]`: the table's width for a "table"
+    # slot, 1 for a row-wise one.
     return {
       s.name: tuple(
-        _call_initializer(init, jax.random.key(0), shape(s))
-        for init in s.optimizer.slot_variables_initializers()
+        _call_initializer(
+          init, jax.random.key(0), (*shape(s)[:2], slot.width(s.dim))
+        )
+        for init, slot in zip(
+          s.optimizer.slot_variables_initializers(),
+          s.optimizer.definition.slots,
+          strict=True,
+        )
       )
       for s in stacks
     }
@@ -474,11 +484,15 @@ def make_variables(
       value=named_table(config, values[stack.name]), label=label
     )
     slots[stack.name] = {
-      slot: pz.StateVariable(
-        value=named_table(config, value),
-        label=config.slot_label(stack.name, slot),
+      slot.name: pz.StateVariable(
+        value=named_table(config, value, slot_axis(config, slot)),
+        label=config.slot_label(stack.name, slot.name),
       )
-      for slot, value in zip(names, slot_values[stack.name], strict=True)
+      for slot, value in zip(
+        stack.optimizer.definition.slots,
+        slot_values[stack.name],
+        strict=True,
+      )
     }
   return tables, slots
 

@@ -2,7 +2,9 @@
 
 A stack's table (and each of its optimizer slots) is one variable whose
 value is a `NamedArray` with axes `(SHARD_AXIS, ROW_AXIS, embedding_axis)`,
-shape `[N, V_shard, D]`. Two other views of the same values exist:
+shape `[N, V_shard, D]`; a slot not shaped like the table (a "rowwise_1d"
+slot: one value per row; a custom slot of width k) has `SLOT_AXIS` last,
+shape `[N, V_shard, 1]` (or `k`). Two other views of the same values exist:
 
 * The *positional* view (`table_arrays`, `slot_arrays`, `assign_arrays`): the
   same arrays unwrapped in that axis order, still sharded on the devices, as
@@ -30,7 +32,7 @@ import jax
 import numpy as np
 from penzai import pz
 
-from pz_sparsecore.core import layout
+from pz_sparsecore.core import layout, optimizers
 from pz_sparsecore.nn.host import from_host, to_host
 
 if TYPE_CHECKING:
@@ -38,36 +40,51 @@ if TYPE_CHECKING:
 
 SHARD_AXIS = "sc_shard"
 ROW_AXIS = "sc_row"
+SLOT_AXIS = "sc_slot"
+"""The last axis of a slot not shaped like the table (a row-wise slot's
+width 1, a custom slot's k): never the embedding axis, which a placement
+may shard."""
 
 
-def _axes(config: EmbedConfig) -> tuple[str, str, str]:
-  return SHARD_AXIS, ROW_AXIS, config.embedding_axis
+def slot_axis(config: EmbedConfig, slot: Any) -> str:
+  """The last axis of optimizer slot `slot` (an `optimizers.Slot`): the
+  embedding axis for a "table" slot, `SLOT_AXIS` otherwise."""
+  if slot.shape is optimizers.SlotShape.TABLE:
+    return config.embedding_axis
+  return SLOT_AXIS
 
 
-def named_table(config: EmbedConfig, value: jax.Array) -> pz.nx.NamedArray:
-  """A positional `[N, V_shard, D]` array as the layer's `NamedArray`.
+def named_table(
+  config: EmbedConfig, value: jax.Array, axis: str | None = None
+) -> pz.nx.NamedArray:
+  """A positional `[N, V_shard, W]` array as the layer's `NamedArray`.
 
   Args:
     config: The layer's config (for its embedding axis name).
     value: A table or slot in the positional view.
+    axis: The last axis' name: None for the embedding axis (tables and
+      "table" slots), else `slot_axis(config, slot)`.
 
   Returns:
-    `value` tagged `(SHARD_AXIS, ROW_AXIS, config.embedding_axis)`.
+    `value` tagged `(SHARD_AXIS, ROW_AXIS, axis or config.embedding_axis)`.
   """
-  return pz.nx.wrap(value).tag(*_axes(config))
+  return pz.nx.wrap(value).tag(
+    SHARD_AXIS, ROW_AXIS, axis or config.embedding_axis
+  )
 
 
 def positional_table(config: EmbedConfig, value: Any) -> jax.Array:
-  """The inverse of `named_table`: a variable's value as `[N, V_shard, D]`.
+  """The inverse of `named_table`: a variable's value as `[N, V_shard, W]`.
 
   Args:
     config: The layer's config (for its embedding axis name).
-    value: A `NamedArray` with the layer's table axes.
+    value: A `NamedArray` with the layer's table (or slot) axes.
 
   Returns:
     The positional array.
   """
-  return value.unwrap(*_axes(config))
+  last = SLOT_AXIS if SLOT_AXIS in value.named_shape else config.embedding_axis
+  return value.unwrap(SHARD_AXIS, ROW_AXIS, last)
 
 
 def table_arrays(embed: SparseCoreEmbed) -> dict[str, jax.Array]:
@@ -117,8 +134,13 @@ def assign_arrays(
   for stack, value in tables.items():
     embed.tables[stack].value = named_table(embed.config, value)
   for stack, values in slots.items():
-    for var, value in zip(embed.slots[stack].values(), values, strict=True):
-      var.value = named_table(embed.config, value)
+    defs = embed.config.plan.stack(stack).optimizer.definition.slots
+    for var, value, slot in zip(
+      embed.slots[stack].values(), values, defs, strict=True
+    ):
+      var.value = named_table(
+        embed.config, value, slot_axis(embed.config, slot)
+      )
 
 
 def logical_tables(embed: SparseCoreEmbed) -> dict[str, np.ndarray]:
@@ -138,30 +160,40 @@ def logical_tables(embed: SparseCoreEmbed) -> dict[str, np.ndarray]:
 
 
 def logical_slots(embed: SparseCoreEmbed) -> dict[str, dict[str, np.ndarray]]:
-  """Table name → slot name → `[vocab, dim]` numpy array.
+  """Table name → slot name → numpy array in the slot's logical shape.
 
   Args:
     embed: The layer (with several processes, every process calls this).
 
   Returns:
-    Every optimizer slot of every table, unstacked and unsharded.
+    Every optimizer slot of every table, unstacked and unsharded:
+    `[vocab, dim]` for a "table" slot, `[vocab]` for a "rowwise_1d" one,
+    `[vocab, k]` for a slot of width `k` (`Slot.logical_shape`).
   """
   plan = embed.config.plan
   out: dict[str, dict[str, np.ndarray]] = {}
   for stack, values in slot_arrays(embed).items():
-    for slot, value in zip(embed.slots[stack], values, strict=True):
+    defs = plan.stack(stack).optimizer.definition.slots
+    for slot, value in zip(defs, values, strict=True):
       tables = layout.unshard_and_unstack_tables(
-        plan.stack(stack).tables, {stack: to_host(value)}, plan.num_shards
+        plan.stack(stack).tables,
+        {stack: to_host(value)},
+        plan.num_shards,
+        slot_shape=slot.shape,
       )
       for name, table in tables.items():
-        out.setdefault(name, {})[slot] = table
+        out.setdefault(name, {})[slot.name] = table
   return out
 
 
 def _check_logical(
-  embed: SparseCoreEmbed, values: Mapping[str, Any], what: str
+  embed: SparseCoreEmbed,
+  values: Mapping[str, Any],
+  what: str,
+  slot: optimizers.Slot | None = None,
 ) -> None:
-  """Raises unless every value names a table and has its shape, finite."""
+  """Raises unless every value names a table and has its shape (or the
+  logical shape of `slot`), finite."""
   tables = embed.config.plan.tables
   unknown = sorted(set(values) - set(tables))
   if unknown:
@@ -172,6 +204,8 @@ def _check_logical(
     table = tables[name]
     value = np.asarray(value, dtype=np.float32)
     expected = (table.vocabulary_size, table.embedding_dim)
+    if slot is not None:
+      expected = slot.logical_shape(*expected)
     if value.shape != expected:
       raise ValueError(
         f"{what} {name!r}: expected shape {expected}, got {value.shape}"
@@ -185,9 +219,11 @@ def _write_logical(
   arrays: Mapping[str, Any],
   values: Mapping[str, Any],
   what: str,
+  slot: optimizers.Slot | None = None,
 ) -> dict[str, jax.Array]:
-  """New positional arrays (of `arrays`' stacks) with `values` written in."""
-  _check_logical(embed, values, what)
+  """New positional arrays (of `arrays`' stacks) with `values` written in
+  (tables, or slot `slot` of them)."""
+  _check_logical(embed, values, what, slot)
   plan = embed.config.plan
   changed: dict[str, np.ndarray] = {}
   for name, value in values.items():
@@ -199,7 +235,10 @@ def _write_logical(
     rows = layout.physical_row_ids(
       table, np.arange(table.vocabulary_size), plan.num_shards
     )
-    flat[rows, : table.embedding_dim] = np.asarray(value, np.float32)
+    value = np.asarray(value, np.float32)
+    dim = table.embedding_dim
+    width = dim if slot is None else slot.width(dim)
+    flat[rows, :width] = value.reshape(len(rows), width)
   topo = embed.config.topology
   return {k: from_host(v, topo.table_sharding(k)) for k, v in changed.items()}
 
@@ -230,7 +269,10 @@ def _slot_updates(
   updates = []
   for stack, stack_slots in embed.slots.items():
     members = {t.name for t in plan.stack(stack).tables}
-    for index, slot in enumerate(stack_slots):
+    defs = plan.stack(stack).optimizer.definition.slots
+    for index, (slot, slot_def) in enumerate(
+      zip(stack_slots, defs, strict=True)
+    ):
       values = {
         t: s[slot]
         for t, s in slots.items()
@@ -239,8 +281,10 @@ def _slot_updates(
       if not values:
         continue
       arrays = {stack: current[stack][index]}
-      new = _write_logical(embed, arrays, values, "slot " + slot + " of table")
-      updates.append((stack, slot, new[stack]))
+      new = _write_logical(
+        embed, arrays, values, "slot " + slot + " of table", slot_def
+      )
+      updates.append((stack, slot_def, new[stack]))
   return updates
 
 
@@ -251,7 +295,8 @@ def set_logical_slots(
 
   Args:
     embed: The layer, with mutable variables bound.
-    slots: Table name → slot name → `[vocab, dim]` array (any subset).
+    slots: Table name → slot name → array in the slot's logical shape
+      (see `logical_slots`; any subset).
 
   Raises:
     ValueError: On unknown names or shape mismatches; nothing is written.
@@ -269,4 +314,6 @@ def set_logical_slots(
       if (table, slot) not in known:
         raise ValueError(f"unknown slot {slot!r} of table {table!r}")
   for stack, slot, value in updates:
-    embed.slots[stack][slot].value = named_table(embed.config, value)
+    embed.slots[stack][slot.name].value = named_table(
+      embed.config, value, slot_axis(embed.config, slot)
+    )

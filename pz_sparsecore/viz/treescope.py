@@ -48,6 +48,7 @@ import numpy as np
 from treescope import context, formatting_util, renderers, rendering_parts
 
 from pz_sparsecore.core import buffer_format
+from pz_sparsecore.core.optimizers import SlotShape
 from pz_sparsecore.core.plan import Plan, StackPlan
 from pz_sparsecore.core.specs import (
   FeatureSpec,
@@ -75,10 +76,20 @@ like Treescope's own record of shared values."""
 
 
 def optimizer_summary(optimizer: OptimizerSpec) -> str:
-  """`adagrad(lr=0.1)`: the optimizer's kernel name and learning rate."""
+  """`adagrad(lr=0.1)`: the optimizer's kernel name and learning rate, and
+  the slots not shaped like the table (`rowwise_adagrad(lr=0.01;
+  accumulator per row)`)."""
   lr = optimizer.learning_rate
   lr_text = "schedule" if callable(lr) else f"{lr:g}"
-  return f"{optimizer.short_name()}(lr={lr_text})"
+  shaped = [
+    f"{slot.name} per row"
+    if slot.shape is SlotShape.ROWWISE_1D
+    else f"{slot.name} x{slot.shape}"
+    for slot in optimizer.definition.slots
+    if slot.shape is not SlotShape.TABLE
+  ]
+  extra = f"; {', '.join(shaped)}" if shaped else ""
+  return f"{optimizer.short_name()}(lr={lr_text}{extra})"
 
 
 def table_rows_per_shard(table: TableSpec, num_shards: int) -> int:

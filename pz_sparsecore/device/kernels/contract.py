@@ -205,7 +205,9 @@ def check_grad_operands(
     shape: The forward operands' shape (from :func:`check_buffers`).
     activation_grad: float32 ``[num_outputs, dim]``.
     table: The table, as given to :func:`check_buffers`.
-    slots: One array shaped like ``table`` per slot of the optimizer.
+    slots: One array per slot of the optimizer: shaped like ``table`` for a
+      "table" slot, ``table.shape[:-1] + (width,)`` for another
+      (``Slot.width``: 1 for "rowwise_1d").
     optimizer: The optimizer's registry name, or its entry.
     hyperparameters: float32 vector of the optimizer's hyper-parameters.
     clip: None, or a ``(min, max)`` pair with ``min <= max``.
@@ -230,12 +232,19 @@ def check_grad_operands(
       f"Optimizer {info.name!r} needs slots {info.slot_names}, got "
       f"{len(slots) if isinstance(slots, (tuple, list)) else slots!r}."
     )
-  for name, slot in zip(info.slot_names, slots, strict=True):
+  for spec, slot in zip(info.slots, slots, strict=True):
+    name = spec.name
     _check_table(slot, f"slot {name!r}")
-    if tuple(slot.shape) != tuple(table.shape):
+    want = (*table.shape[:-1], spec.width(shape.dim))
+    if tuple(slot.shape) != want:
+      if spec.shape is optimizers.SlotShape.TABLE:
+        raise ValueError(
+          f"slot {name!r} must have the table's shape {tuple(table.shape)}, "
+          f"got {tuple(slot.shape)}."
+        )
       raise ValueError(
-        f"slot {name!r} must have the table's shape {tuple(table.shape)}, "
-        f"got {tuple(slot.shape)}."
+        f"slot {name!r} must have shape {want} ({spec.width(shape.dim)} "
+        f"value(s) per table row), got {tuple(slot.shape)}."
       )
   _check_array(hyperparameters, "hyperparameters", jnp.float32, 1)
   if hyperparameters.shape[0] != len(info.hyperparameter_names):

@@ -106,9 +106,10 @@ def grad_target(optimizer: str) -> str:
   return f"pzsc_sparse_dense_matmul_grad_{optimizer}"
 
 
-OptimizerHandler = tuple[str, str, int, int]
+OptimizerHandler = tuple[str, str, int, int, tuple[str, ...]]
 """One optimizer handler as the extension's ``optimizers()`` describes it:
-``(name, target, num_slots, num_hyperparameters)``."""
+``(name, target, num_slots, num_hyperparameters, slot_shapes)``, each slot
+shape ``"table"`` or ``"rowwise_1d"``."""
 
 
 def expected_optimizers() -> tuple[OptimizerHandler, ...]:
@@ -120,6 +121,7 @@ def expected_optimizers() -> tuple[OptimizerHandler, ...]:
       grad_target(opt.name),
       len(opt.slots),
       len(opt.hyperparameter_names),
+      tuple(slot.shape_text for slot in opt.slots),
     )
     for opt in optimizers.REGISTRY.values()
     if opt.compiled
@@ -153,8 +155,11 @@ def _load_file(path: str) -> ModuleType:
 def _describe(handler: OptimizerHandler | None) -> str:
   if handler is None:
     return "none"
-  _, target, num_slots, num_hyper = handler
-  return f"{target} with {num_slots} slots, {num_hyper} hyper-parameters"
+  _, target, num_slots, num_hyper, *shapes = handler
+  shaped = f" ({', '.join(shapes[0])})" if shapes and shapes[0] else ""
+  return (
+    f"{target} with {num_slots} slots{shaped}, {num_hyper} hyper-parameters"
+  )
 
 
 def _optimizer_mismatch(module: Any) -> str | None:
@@ -453,11 +458,15 @@ def sparse_dense_matmul_grad(
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
   """Calls the fused backward handler (validated operands; see ``ops``)."""
   slots = tuple(slots)
-  state_type = jax.ShapeDtypeStruct(table.shape, jnp.float32)
+  # The table, then each slot in its own shape (a row-wise slot is
+  # `[..., rows, 1]`).
+  state_types = tuple(
+    jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (table, *slots)
+  )
   first_state = 5  # Operand index of the table.
   call = jax.ffi.ffi_call(
     grad_target(optimizer),
-    (state_type,) * (1 + len(slots)),
+    state_types,
     input_output_aliases={first_state + i: i for i in range(1 + len(slots))},
     vmap_method="sequential",
   )

@@ -66,12 +66,16 @@ def _as_matrices(fn, dim: int):
   """Runs a reference backward on `[rows, dim]` views of the table/slots."""
 
   def wrapped(grad, rp, ids, sids, gains, table, hyper, *slots):
-    flat = [x.reshape(-1, dim) for x in (table, *slots)]
+    # Each slot by its own width ("table" slots: dim; row-wise: 1).
+    flat = [
+      table.reshape(-1, dim),
+      *(x.reshape(-1, x.shape[-1]) for x in slots),
+    ]
     new_table, new_slots = fn(
       grad, rp, ids, sids, gains, flat[0], hyper, *flat[1:]
     )
     return new_table.reshape(table.shape), tuple(
-      x.reshape(table.shape) for x in new_slots
+      x.reshape(old.shape) for x, old in zip(new_slots, slots, strict=True)
     )
 
   return wrapped

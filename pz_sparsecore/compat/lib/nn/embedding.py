@@ -342,10 +342,20 @@ def _shard_variables(
         setting.padded_embedding_dim,
       )
       slots = table.optimizer.slot_variables_initializers()
+      optimizer = table.optimizer
+      if hasattr(optimizer, "to_pz"):
+        optimizer = optimizer.to_pz()
+      # Each slot at its width (a row-wise slot: one value per row).
+      widths = optimizer.definition.slot_widths(shape[1])
       blocks.append(
         EmbeddingVariables(
           table=table.initializer(rng[i], shape),
-          slot=type(slots)(*(init(rng[i], shape) for init in slots)),
+          slot=type(slots)(
+            *(
+              init(rng[i], (shape[0], width))
+              for init, width in zip(slots, widths, strict=True)
+            )
+          ),
         )
       )
   return jax.tree.map(lambda *parts: jax.numpy.concatenate(parts), *blocks)

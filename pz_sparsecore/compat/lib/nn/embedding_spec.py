@@ -144,10 +144,13 @@ class OptimizerSpec:
     return self.to_pz().get_learning_rate(step)
 
   def get_hyperparameters(
-    self, step: jax.Array | int | None = None
+    self,
+    step: jax.Array | int | None = None,
+    *,
+    embedding_dim: int | None = None,
   ) -> tuple[jax.Array, ...]:
     """The float32 hyper-parameters of the fused update at `step`."""
-    return self.to_pz().get_hyperparameters(step)
+    return self.to_pz().get_hyperparameters(step, embedding_dim=embedding_dim)
 
   def slot_variables_initializers(self) -> tuple[Callable[..., Any], ...]:
     """One initialiser per slot, as a namedtuple with upstream's names."""
