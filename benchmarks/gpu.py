@@ -2,7 +2,8 @@
 
 Run: ``python benchmarks/gpu.py`` (needs a GPU that JAX and torch see, and
 the extension built with the CUDA handlers; prints the tables last).
-``--workloads 0,3`` picks workloads, ``--repeats N`` the timed calls.
+``--workloads 0,3`` picks workloads (``none``: the train step alone),
+``--repeats N`` the timed calls.
 
 Workloads: a batch of 65,536 samples x 32 ids (sum combiner) looked up in a
 ``[vocab, 64]`` f32 table, vocab 1M, 8M and 64M, ids uniform or Zipf(1.05).
@@ -389,11 +390,12 @@ def main() -> None:
     print(json.dumps(res))
     return
 
-  picks = (
-    [int(i) for i in args.workloads.split(",")]
-    if args.workloads
-    else range(len(WORKLOADS))
-  )
+  if args.workloads == "none":  # Part 4 alone.
+    picks = []
+  elif args.workloads:
+    picks = [int(i) for i in args.workloads.split(",")]
+  else:
+    picks = range(len(WORKLOADS))
   rows = []
   for i in picks:
     vocab, dist = WORKLOADS[i]
