@@ -492,7 +492,7 @@ def main() -> None:
     for label, key in (
       ("blocking", "ms"),
       ("pipelined", "pipelined_ms"),
-      ("host time of a pipelined call", "dispatch_ms"),
+      ("one pipelined call (dispatch + in-flight wait)", "dispatch_ms"),
     ):
       print(
         f"{label:9}  SparseCoreTrainer {o[key]:.2f}   Penzai "

@@ -35,9 +35,10 @@ the same pair. Each pair's results are checked equal before timing.
    FBGEMM's Adagrad adds eps 1e-8 to the root, torch's 1e-10: within the
    tolerance; on Zipf ids the accumulators of the few hottest rows, whose
    gradients sum ~4000 terms with heavy cancellation, may differ by a
-   little more); row-wise Adagrad (one accumulator per row, mean of the
-   squared row gradient) is checked against a numpy reference of its own
-   rule instead.
+   little more). ``step rowwise_adagrad``: ours
+   (``RowwiseAdagradOptimizerSpec``'s fused update, one accumulator per
+   row) against FBGEMM's exact row-wise Adagrad, the same rule; both are
+   checked against a numpy restatement of it.
 3. ``raw ids``: from the ``[4096, 32]`` int64 array a user holds: ours =
    the public ``preprocess_sparse_dense_matmul_input`` (host, numba) +
    forward (+ fused backward), the preprocessing inside the timing; torch
@@ -75,6 +76,13 @@ DIM = 64
 LEARNING_RATE = 0.01
 INITIAL_ACCUMULATOR = 0.1
 FBGEMM_EPS = 1e-8
+# Our hyper-parameter vectors (row-wise Adagrad: lr, FBGEMM's eps, the
+# table's width, no weight decay).
+HYPER = {
+  "sgd": [LEARNING_RATE],
+  "adagrad": [LEARNING_RATE],
+  "rowwise_adagrad": [LEARNING_RATE, FBGEMM_EPS, 64.0, 0.0, 0.0],
+}
 REPEATS = int(os.environ.get("PZSC_BENCH_REPEATS", "10"))
 # Calls per block of the interleaved timing (the first is not counted).
 BLOCK = 4
@@ -180,7 +188,7 @@ def _layout(vocab: int) -> dict[str, int]:
 def _our_step(table, slots, optimizer, vocab, act_grad, bufs):
   """Forward, then the fused backward of ``act_grad`` (table donated)."""
   layout = _layout(vocab)
-  hp = jnp.asarray([LEARNING_RATE], jnp.float32)
+  hp = jnp.asarray(HYPER[optimizer], jnp.float32)
   out = kernels.sparse_dense_matmul(*bufs, table, **layout)
   return kernels.sparse_dense_matmul_grad(
     act_grad + 0 * out[:1],
@@ -196,6 +204,8 @@ def _our_step(table, slots, optimizer, vocab, act_grad, bufs):
 def _our_slots(optimizer: str, table: jax.Array) -> tuple[jax.Array, ...]:
   if optimizer == "sgd":
     return ()
+  if optimizer == "rowwise_adagrad":  # One accumulator per row.
+    return (jnp.full((table.shape[0], 1), INITIAL_ACCUMULATOR, jnp.float32),)
   return (jnp.full_like(table, INITIAL_ACCUMULATOR),)
 
 
@@ -210,8 +220,14 @@ def ours_forward(table: jax.Array, bufs) -> Impl:
 
 
 def _jax_rows(arrays, rows: np.ndarray) -> np.ndarray:
-  """``[len(arrays), len(rows), DIM]``: the rows of each array."""
-  return np.stack([np.asarray(jnp.take(a, rows, axis=0)) for a in arrays])
+  """``[len(arrays), len(rows), DIM]``: the rows of each array (a row-wise
+  slot's one value broadcast over the row, as the peers' results are)."""
+  return np.stack(
+    [
+      np.broadcast_to(np.asarray(jnp.take(a, rows, axis=0)), (len(rows), DIM))
+      for a in arrays
+    ]
+  )
 
 
 def ours_step(table_np, bufs, act_grad, optimizer: str, rows) -> Impl:
@@ -560,8 +576,8 @@ def touched_bytes(ids: np.ndarray, op: str) -> int:
   row = DIM * 4
   if op == "fwd":
     return ids.size * row
-  slots = 0 if op == "sgd" else 1
-  return ids.size * row + np.unique(ids).size * row * 2 * (1 + slots)
+  slot = {"sgd": 0, "adagrad": row, "rowwise_adagrad": 4}[op]
+  return ids.size * row + np.unique(ids).size * 2 * (row + slot)
 
 
 class Report:
@@ -644,25 +660,32 @@ def bench_steps(report, label, table_np, ids, bufs, act_grad_np, peers):
   rows = np.unique(ids)
   act_grad = jnp.asarray(act_grad_np)
   reference = rowwise_adagrad_reference(table_np, ids, act_grad_np, rows)
-  for opt in ("sgd", "adagrad"):
+  for opt in ("sgd", "adagrad", "rowwise_adagrad"):
     pairs = []
-    if "torch" in peers:
-      pairs.append((peers["torch"], torch_impl, opt, _check_step))
-    if "fbgemm" in peers:
-      name = "FBGEMM exact " + ("SGD" if opt == "sgd" else "Adagrad")
-      pairs.append((name, fbgemm_impl, opt, _check_step))
-      if opt == "adagrad":
+    if opt == "rowwise_adagrad":
+      # FBGEMM's exact row-wise Adagrad is the peer with the same rule;
+      # both are checked against a numpy restatement of it.
+      if "fbgemm" in peers:
         pairs.append(
           (
             "FBGEMM row-wise Adagrad",
             fbgemm_impl,
             "rowwise adagrad",
-            lambda _, got: (
-              "vs its own rule (numpy): " + _check_step(got, reference)
+            lambda ours, got: (
+              "both vs numpy: "
+              + _check_step(ours, reference)
+              + " / "
+              + _check_step(got, reference)
             ),
           )
         )
-    pairs.append(("plain JAX (dense)", jax_step, opt, _check_step))
+    else:
+      if "torch" in peers:
+        pairs.append((peers["torch"], torch_impl, opt, _check_step))
+      if "fbgemm" in peers:
+        name = "FBGEMM exact " + ("SGD" if opt == "sgd" else "Adagrad")
+        pairs.append((name, fbgemm_impl, opt, _check_step))
+      pairs.append(("plain JAX (dense)", jax_step, opt, _check_step))
     for name, maker, peer_opt, check in pairs:
       ours = ours_step(table_np, bufs, act_grad, opt, rows)
       other = maker(table_np, ids, act_grad_np, peer_opt, rows)

@@ -477,3 +477,93 @@ def test_custom_slot_shape_errors_name_the_shapes():
   w = jnp.ones((3, 8), jnp.float32)
   with pytest.raises(ValueError, match=r"shaped \[\(1, 8\), \(1,\)\]"):
     update(w, (jnp.zeros((3, 1), jnp.float32),), w, jnp.ones(1, jnp.float32))
+
+
+# ---------------------------------------------------------------------------
+# The compat namespace: upstream's device functions on a row-wise table.
+
+
+def test_compat_device_step_equals_numpy():
+  import test_compat_device as tcd
+
+  from pz_sparsecore.compat.lib.nn import embedding, embedding_spec
+  from pz_sparsecore.core import layout
+
+  specs_ = tcd._specs()
+  table = specs_["fc"].table_spec
+  rowwise = specs.RowwiseAdagradOptimizerSpec(
+    learning_rate=tcd.LR, epsilon=1e-6, initial_accumulator_value=0.5
+  )
+  specs_["fc"] = embedding_spec.FeatureSpec(
+    table_spec=embedding_spec.TableSpec(
+      vocabulary_size=table.vocabulary_size,
+      embedding_dim=table.embedding_dim,
+      initializer=table.initializer,
+      optimizer=rowwise,
+      combiner="sum",
+      name="c",
+      max_ids_per_partition=64,
+      max_unique_ids_per_partition=64,
+    ),
+    input_shape=[tcd.BATCH, 3],
+    output_shape=[tcd.BATCH, tcd.DIM],
+    name="fc",
+  )
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("device",))
+  g, n = mesh.size, mesh.size * tcd.S
+  embedding.prepare_feature_specs_for_training(specs_, g, tcd.S)
+  rng = np.random.default_rng(0)
+  ids = {
+    name: rng.integers(0, f.table_spec.vocabulary_size, (tcd.BATCH, 3))
+    for name, f in specs_.items()
+  }
+  ids["fc"][:2] = [[0, 95, 95], [1, 1, 1]]  # edges, duplicates
+  buffers, _ = embedding.preprocess_sparse_dense_matmul_input(
+    ids, None, specs_, g, g, num_sc_per_device=tcd.S
+  )
+  buffers = jax.device_put(buffers, jax.NamedSharding(mesh, jax.P("device")))
+  table_specs = {f.table_spec.name: f.table_spec for f in specs_.values()}
+  variables = embedding.init_embedding_variables(
+    jax.random.key(3),
+    table_specs,
+    jax.NamedSharding(mesh, jax.P("device", None)),
+    tcd.S,
+  )
+  stack = table_specs["c"].setting_in_stack.stack_name
+  assert variables[stack].slot.accumulator.shape[-1] == 1
+
+  def logical(variables, slot=None):
+    value = variables[stack]
+    value = value.table if slot is None else getattr(value.slot, slot)
+    return layout.unshard_and_unstack_tables(
+      {"fc": embedding_spec.to_pz(specs_)["fc"]},
+      {stack: np.asarray(value)},
+      n,
+      slot_shape=None if slot is None else "rowwise_1d",
+    )["c"]
+
+  before, acc = logical(variables), logical(variables, "accumulator")
+  np.testing.assert_array_equal(acc, 0.5)
+  _, backward = tcd._step(mesh, specs_, g)
+  grads = {
+    name: rng.normal(size=(tcd.BATCH, tcd.DIM)).astype(np.float32)
+    for name in specs_
+  }
+  new = backward(grads, buffers, variables)
+  row_grad = np.zeros_like(before, np.float64)
+  np.add.at(row_grad, ids["fc"], grads["fc"][:, None, :].astype(np.float64))
+  touched = np.unique(ids["fc"])
+  want_w, want_a = np_rowwise_adagrad(
+    before[touched],
+    acc[touched],
+    row_grad[touched],
+    lr=tcd.LR,
+    eps=1e-6,
+    dim=tcd.DIM,
+  )
+  np.testing.assert_allclose(logical(new)[touched], want_w, 1e-5, 1e-5)
+  np.testing.assert_allclose(
+    logical(new, "accumulator")[touched], want_a, 1e-5, 1e-6
+  )
+  other = np.setdiff1d(np.arange(len(before)), touched)
+  np.testing.assert_array_equal(logical(new)[other], before[other])

@@ -43,8 +43,9 @@ Adding an optimizer, say `foo` with slots `(a, b)` and hyper-parameters
    code: both handler families run it):
    `PZSC_HOST_DEVICE void FooElement(const Hyperparameters& h, float& w,
    float& a, float& b, float g)`, the slots in the entry's order; and one
-   line in `csrc/optimizer_list.h`: `X(Foo, foo, 2, 2)` (C++ name, registry
-   name, slot count, hyper-parameter count). The enum, the CPU and CUDA
+   line in `csrc/optimizer_list.h`: `X(Foo, foo, 2, 2, Element, Table,
+   Table)` (C++ name, registry name, slot count, hyper-parameter count, the
+   rule's kind, each slot's shape or None). The enum, the CPU and CUDA
    handlers (FFI target `pzsc_sparse_dense_matmul_grad_foo`), their
    registration and the extension's `optimizers()` come from that line; the
    ABI version stays as it is. Rebuild the extension.
@@ -58,6 +59,15 @@ Adding an optimizer, say `foo` with slots `(a, b)` and hyper-parameters
 5. Its test hyper-parameters in `tests/test_kernels.py` (`HYPERPARAMETERS`,
    `GRAD_CASES`: the compiled update against `_foo`);
    `tests/test_optimizer_list.py` checks that the lists above agree.
+
+An optimizer whose slots hold one value per row (`Slot(...,
+shape=SlotShape.ROWWISE_1D)`, as row-wise Adagrad's) is a row rule in C++:
+`FooRowTerm(h, col, w, g)` (one element's term of the row's sum),
+`FooRow(h, float& slot..., float sum)` (updates the row's slot values
+once, returns a `FooRowState`) and `FooElement(h, const FooRowState&,
+float& w, float g)`; its list line says `Row` and `Row` for each slot. Its
+update in JAX takes `[n, 1]` slot rows. Slots of an int width have no
+compiled handler (custom optimizers only).
 
 A new static attribute (a compile-time switch, as FTRL's
 `multiply_linear_by_learning_rate`) is a spec field named in

@@ -9,7 +9,8 @@ stack of its own on the layer's topology (its limits as the specs give
 them: worst case, or FDO's once applied) and replicates it when both hold:
 
 * **memory**: its rows and optimizer slots take at most `max_bytes` per
-  device (`4 * padded_vocab * padded_dim * (1 + slots)`; default
+  device (`4 * padded_vocab * (padded_dim + the slots' widths)`, a
+  "table" slot `padded_dim` wide, a row-wise one 1; default
   `DEFAULT_MAX_BYTES`, 1 MiB: a copy on every device must stay small
   beside the sharded tables);
 * **traffic**: the replicated stack moves fewer predicted bytes per device
