@@ -11,7 +11,8 @@ bottom MLP (13 -> 64 -> 16), 26 categorical features each with its own
 multi-hot with 1 to 5 ids per sample, the rest one id), dot interactions
 between the 27 vectors, a top MLP (367 -> 64 -> 1), a logistic loss; both
 libraries start from the same MLP weights (`dense_init`). Tables
-learn with Adagrad (lr 0.05), dense parameters with Adam (lr 1e-3). Ids
+learn with Adagrad (lr 0.05; ``--table-optimizer rowwise_adagrad``: exact
+row-wise Adagrad in both libraries), dense parameters with Adam (lr 1e-3). Ids
 follow Zipf(1.1) over a random permutation of each table's rows; labels
 carry a learnable signal (a hidden score per id of 8 tables plus a linear
 function of the dense features). Batch 2,048; 8 virtual CPU devices (ours).
@@ -58,6 +59,22 @@ TABLE_LR, DENSE_LR = 0.05, 1e-3
 # keeps the worst-case limits `from_config` starts with). The docs' loop:
 # limits calibrated on the first batch before anything compiles.
 REFRESH = 100
+# The tables' optimizer (`--table-optimizer`): FBGEMM's exact Adagrad or
+# exact row-wise Adagrad, the same rule in both libraries.
+TABLE_OPTIMIZER = "adagrad"
+
+
+def table_optimizer():
+  """Ours, as FBGEMM's: accumulators start at 0; row-wise, eps 1e-8."""
+  import pz_sparsecore as pzsc
+
+  if TABLE_OPTIMIZER == "rowwise_adagrad":
+    return pzsc.RowwiseAdagradOptimizerSpec(learning_rate=TABLE_LR)
+  return pzsc.AdagradOptimizerSpec(
+    learning_rate=TABLE_LR, initial_accumulator_value=0.0
+  )
+
+
 # `from_config(placement=...)` for ours (`--placement`): "sharded" (the
 # docs' default), "auto" (the cost model), or "small" (the 22 small tables
 # replicated by hand).
@@ -147,10 +164,7 @@ def feature_specs() -> dict:
       vocabulary_size=v,
       embedding_dim=DIM,
       initializer=jax.nn.initializers.normal(0.05),
-      # FBGEMM's exact Adagrad: accumulators start at 0.
-      optimizer=pzsc.AdagradOptimizerSpec(
-        learning_rate=TABLE_LR, initial_accumulator_value=0.0
-      ),
+      optimizer=table_optimizer(),
       combiner="mean",
     )
     k = 5 if t in MULTI_HOT else 1
@@ -323,9 +337,15 @@ def run_torchrec(train, test, warmup: int) -> dict:
     )
     for t, v in enumerate(VOCABS)
   ]
+  from torchrec import optim as trec_optim
+
   ebc = FusedEmbeddingBagCollection(
     tables,
-    optimizer_type=torch.optim.Adagrad,
+    optimizer_type=(
+      trec_optim.RowWiseAdagrad
+      if TABLE_OPTIMIZER == "rowwise_adagrad"
+      else torch.optim.Adagrad
+    ),
     optimizer_kwargs={"lr": TABLE_LR, "eps": 1e-8},
   )
   bottom = torch.nn.Sequential(
@@ -416,7 +436,7 @@ def run_torchrec(train, test, warmup: int) -> dict:
 
 
 def main() -> None:
-  global REFRESH, PLACEMENT
+  global REFRESH, PLACEMENT, TABLE_OPTIMIZER
   parser = argparse.ArgumentParser()
   parser.add_argument("--child", default=None)
   parser.add_argument("--batches", type=int, default=120)
@@ -435,9 +455,16 @@ def main() -> None:
     help="ours: from_config(placement=...); small: the 22 small tables "
     "replicated",
   )
+  parser.add_argument(
+    "--table-optimizer",
+    default=TABLE_OPTIMIZER,
+    choices=("adagrad", "rowwise_adagrad"),
+    help="both libraries' tables: exact Adagrad or exact row-wise Adagrad",
+  )
   args = parser.parse_args()
   REFRESH = args.refresh or None
   PLACEMENT = args.placement
+  TABLE_OPTIMIZER = args.table_optimizer
   if args.child:
     data = make_data(args.batches + args.test_batches)
     train, test = data[: args.batches], data[args.batches :]
@@ -464,6 +491,8 @@ def main() -> None:
         str(args.refresh),
         "--placement",
         args.placement,
+        "--table-optimizer",
+        args.table_optimizer,
       ],
       capture_output=True,
       text=True,
@@ -477,7 +506,8 @@ def main() -> None:
   o, t = results["ours"], results["torchrec"]
   print(
     f"\n26-table DLRM, batch {BATCH}, {args.batches} training batches, "
-    f"{args.test_batches} held out; load average {load:.1f}"
+    f"{args.test_batches} held out, tables {args.table_optimizer}; load "
+    f"average {load:.1f}"
   )
   if "error" in o or "error" in t:
     return

@@ -33,7 +33,7 @@ ANY_MODEL = DOCS / "any_model.md"
 RUN_HERE = {
   README: 1,
   GETTING_STARTED: 3,
-  CONCEPTS: 2,
+  CONCEPTS: 3,
   MULTIHOST: 2,
   GPU: 1,
   COMPAT: 1,
@@ -79,6 +79,9 @@ def test_getting_started_then_concepts_run_top_to_bottom():
   limits_before = trainer.model.embed.config.plan.stacks[0]
   _run(CONCEPTS, namespace)
   trainer, resumed = namespace["trainer"], namespace["resumed"]
+  # The row-wise example: one accumulator value per row.
+  slot = namespace["big_table"].optimizer.definition.slots[0]
+  assert slot.logical_shape(10_000_000, 64) == (10_000_000,)
   assert int(trainer.state.value.step) == 180
   # update_limits replaced the trainer's layer: FDO set its limits.
   assert trainer.model.embed.config.plan.stacks[0] != limits_before

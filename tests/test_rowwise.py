@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 import test_training as tt
+from penzai import pz
 from test_kernels import _grad_call, _table, make_buffers, row_grads
 
 import pz_sparsecore as pzsc
@@ -567,3 +568,29 @@ def test_compat_device_step_equals_numpy():
   )
   other = np.setdiff1d(np.arange(len(before)), touched)
   np.testing.assert_array_equal(logical(new)[other], before[other])
+
+
+def test_replicated_row_wise_table_trains_as_the_sharded_one():
+  # rc replicated on every device: the row gradients are summed over the
+  # devices, then each copy gets the same row-wise update.
+  embed = pzsc.SparseCoreEmbed.from_config(
+    "emb",
+    jax.random.key(0),
+    tt.feature_specs(8, 1, TABLES),
+    tt.mesh_of(8),
+    placement={"rc": "replicated"},
+  )
+  assert embed.config.topology.is_replicated(
+    embed.config.plan.stack_of_table["rc"].name
+  )
+  pzsc.set_logical_tables(embed, tt.initial_tables(11, TABLES))
+  model = tt.ProbeModel(
+    embed=embed, w=pz.Parameter(value=jnp.asarray(tt.W0), label="w")
+  )
+  ref = Reference(tt.initial_tables(11, TABLES), TABLES)
+  before = tt.snapshot(model.embed)
+  trainer = _trainer(model)
+  for step in range(2):
+    touched = _step(trainer, ref, step)
+    tt.check_against(trainer.model.embed, ref, touched, before)
+    before = tt.snapshot(trainer.model.embed)

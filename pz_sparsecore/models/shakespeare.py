@@ -38,6 +38,10 @@ TABLE = "words"
 
 OPTIMIZERS = {
   "adagrad": lambda: specs.AdagradOptimizerSpec(learning_rate=0.2),
+  # One accumulator per row, started as Adagrad's.
+  "rowwise_adagrad": lambda: specs.RowwiseAdagradOptimizerSpec(
+    learning_rate=0.2, initial_accumulator_value=0.1
+  ),
   "adam": lambda: specs.AdamOptimizerSpec(learning_rate=0.01),
   "sgd": lambda: specs.SGDOptimizerSpec(learning_rate=2.0),
   "ftrl": lambda: specs.FTRLOptimizerSpec(learning_rate=0.5),

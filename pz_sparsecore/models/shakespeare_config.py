@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-OPTIMIZER_NAMES = ("adagrad", "adam", "sgd", "ftrl")
+OPTIMIZER_NAMES = ("adagrad", "adam", "sgd", "ftrl", "rowwise_adagrad")
 
 
 @dataclasses.dataclass(frozen=True)
