@@ -81,7 +81,7 @@ FBGEMM_EPS = 1e-8
 HYPER = {
   "sgd": [LEARNING_RATE],
   "adagrad": [LEARNING_RATE],
-  "rowwise_adagrad": [LEARNING_RATE, FBGEMM_EPS, 64.0, 0.0, 0.0],
+  "rowwise_adagrad": [LEARNING_RATE, FBGEMM_EPS, float(DIM), 0.0, 0.0],
 }
 REPEATS = int(os.environ.get("PZSC_BENCH_REPEATS", "10"))
 # Calls per block of the interleaved timing (the first is not counted).

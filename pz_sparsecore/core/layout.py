@@ -316,17 +316,26 @@ def _check_stackable(
         f"tables {table_names} in stack {stack_name!r} have different "
         "quantization configs"
       )
-    if (
-      first.optimizer.definition.needs_logical_dim
-      and tables[name].embedding_dim != first.embedding_dim
-    ):
-      raise ValueError(
-        f"tables {table_names} in stack {stack_name!r} have different "
-        f"embedding_dims ({first.name}: {first.embedding_dim}, {name}: "
-        f"{tables[name].embedding_dim}); their optimizer "
-        f"{first.optimizer.short_name()} averages over each table's own "
-        "width, so it needs one"
-      )
+  check_logical_dims(
+    stack_name, first.optimizer, [tables[name] for name in table_names]
+  )
+
+
+def check_logical_dims(
+  stack_name: str, optimizer: Any, tables: Sequence[TableSpec]
+) -> None:
+  """Raises unless the tables of a stack whose optimizer averages over each
+  table's own width (`needs_logical_dim`: row-wise Adagrad) have one
+  `embedding_dim`."""
+  if not optimizer.definition.needs_logical_dim:
+    return
+  dims = {t.name: t.embedding_dim for t in tables}
+  if len(set(dims.values())) > 1:
+    raise ValueError(
+      f"tables {sorted(dims)} in stack {stack_name!r} have different "
+      f"embedding_dims {dims}; their optimizer {optimizer.short_name()} "
+      "averages over each table's own width, so it needs one"
+    )
 
 
 def _stack_width(

@@ -174,9 +174,7 @@ class Slot:
   @property
   def shape_text(self) -> str:
     """`"table"`, `"rowwise_1d"` or the width, as checkpoints record it."""
-    return str(
-      self.shape.value if isinstance(self.shape, SlotShape) else self.shape
-    )
+    return str(self.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,11 +223,6 @@ class Optimizer:
   def slot_widths(self, dim: int) -> tuple[int, ...]:
     """Each slot's values per row in a table (or stack) `dim` wide."""
     return tuple(slot.width(dim) for slot in self.slots)
-
-  @property
-  def elementwise_slots(self) -> bool:
-    """Whether every slot is shaped like the table."""
-    return all(slot.shape is SlotShape.TABLE for slot in self.slots)
 
   @functools.cached_property
   def slot_tuple_type(self) -> type:
@@ -354,7 +347,10 @@ def _custom_update(
       *hyper,
     )
     leaves = [jnp.asarray(x) for x in jax.tree.leaves(out)]
-    want = [(1, dim)] + [view(s, jnp.zeros(s.width(dim))).shape for s in slots]
+    want = [(1, dim)] + [
+      (1,) if s.shape is SlotShape.ROWWISE_1D else (1, s.width(dim))
+      for s in slots
+    ]
     if len(leaves) != len(want) or any(
       x.shape != shape or x.dtype != jnp.float32
       for x, shape in zip(leaves, want, strict=True)

@@ -266,14 +266,9 @@ def _check_stack(
         f"split over {n} shards (of a multiple of {buffer_format.ALIGNMENT} "
         "rows)"
       )
-  if stacked.optimizer.definition.needs_logical_dim:
-    dims = {f.table_spec.name: f.table_spec.embedding_dim for f in features}
-    if len(set(dims.values())) > 1:
-      raise ValueError(
-        f"stack {name!r}: its optimizer {stacked.optimizer.short_name()} "
-        "averages over each table's own width, so its tables must have one "
-        f"embedding_dim; got {dict(sorted(dims.items()))}"
-      )
+  layout.check_logical_dims(
+    name, stacked.optimizer, [f.table_spec for f in features]
+  )
   samples = sum(f.sample_count for f in features)
   if stacked.total_sample_count != samples:
     raise ValueError(

@@ -44,7 +44,7 @@ from pz_sparsecore.nn.embed import SparseCoreEmbed, find_embeds
 from pz_sparsecore.nn.tables import (
   ROW_AXIS,
   SHARD_AXIS,
-  SLOT_AXIS,
+  last_axis,
   named_table,
   positional_table,
 )
@@ -140,10 +140,11 @@ def place_tables(model: Any) -> list[str]:
       if array is None:
         continue
       want = embed.config.topology.table_sharding(stack)
-      # The variable's own last axis (a row-wise slot's is not the
-      # embedding axis).
-      last = SLOT_AXIS if SLOT_AXIS in var.value.named_shape else None
-      var.value = named_table(embed.config, jax.device_put(array, want), last)
+      var.value = named_table(
+        embed.config,
+        jax.device_put(array, want),
+        last_axis(embed.config, var.value),
+      )
       moved.append(var.label)
   if moved:
     warnings.warn(

@@ -73,6 +73,12 @@ def named_table(
   )
 
 
+def last_axis(config: EmbedConfig, value: Any) -> str:
+  """The last axis of a table or slot variable's `NamedArray`: `SLOT_AXIS`
+  for a slot not shaped like the table, else the embedding axis."""
+  return SLOT_AXIS if SLOT_AXIS in value.named_shape else config.embedding_axis
+
+
 def positional_table(config: EmbedConfig, value: Any) -> jax.Array:
   """The inverse of `named_table`: a variable's value as `[N, V_shard, W]`.
 
@@ -83,8 +89,7 @@ def positional_table(config: EmbedConfig, value: Any) -> jax.Array:
   Returns:
     The positional array.
   """
-  last = SLOT_AXIS if SLOT_AXIS in value.named_shape else config.embedding_axis
-  return value.unwrap(SHARD_AXIS, ROW_AXIS, last)
+  return value.unwrap(SHARD_AXIS, ROW_AXIS, last_axis(config, value))
 
 
 def table_arrays(embed: SparseCoreEmbed) -> dict[str, jax.Array]:

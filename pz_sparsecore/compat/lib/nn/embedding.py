@@ -342,10 +342,8 @@ def _shard_variables(
         setting.padded_embedding_dim,
       )
       slots = table.optimizer.slot_variables_initializers()
-      optimizer = table.optimizer
-      if hasattr(optimizer, "to_pz"):
-        optimizer = optimizer.to_pz()
       # Each slot at its width (a row-wise slot: one value per row).
+      optimizer = embedding_spec._optimizer_to_pz(table.optimizer)
       widths = optimizer.definition.slot_widths(shape[1])
       blocks.append(
         EmbeddingVariables(
