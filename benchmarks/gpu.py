@@ -125,6 +125,42 @@ def median_ms(fn, repeats: int, warmup: int = 3) -> float:
 # --- children -----------------------------------------------------------------
 
 
+def one_shard_layout(vocab: int) -> dict:
+  """The layout attributes of one device with one SparseCore (a
+  power-of-two vocabulary: no padding)."""
+  return dict(
+    num_segments=1,
+    samples_per_segment=BATCH,
+    num_partitions=1,
+    rows_per_partition=vocab,
+  )
+
+
+def jitted_update(layout: dict):
+  """Our fused update of ``layout``'s buffers (table and slots donated):
+  ``update(table, slots, optimizer, act, bufs)``."""
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+
+  from pz_sparsecore.device import kernels
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnums=(2,))
+  def update(table, slots, optimizer, act, bufs):
+    return kernels.sparse_dense_matmul_grad(
+      act,
+      *bufs,
+      table,
+      slots,
+      optimizer=optimizer,
+      hyperparameters=jnp.asarray(HYPER[optimizer], jnp.float32),
+      **layout,
+    )
+
+  return update
+
+
 def child_jax(vocab: int, dist: str, repeats: int) -> dict:
   import functools
 
@@ -148,12 +184,7 @@ def child_jax(vocab: int, dist: str, repeats: int) -> dict:
   gpu = jax.devices("gpu")[0]
   bufs = tuple(jax.device_put(b, gpu) for b in preprocess())
   rows = vocab  # One shard of a power-of-two vocabulary: no padding.
-  layout = dict(
-    num_segments=1,
-    samples_per_segment=BATCH,
-    num_partitions=1,
-    rows_per_partition=rows,
-  )
+  layout = one_shard_layout(vocab)
   rng = np.random.default_rng(1)
   block = jax.device_put(
     jnp.asarray(rng.normal(size=(1024, DIM)), jnp.float32), gpu
@@ -179,17 +210,7 @@ def child_jax(vocab: int, dist: str, repeats: int) -> dict:
     lambda: fwd(*bufs, table).block_until_ready(), repeats
   )
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnums=(2,))
-  def update(table, slots, optimizer, act, bufs):
-    return kernels.sparse_dense_matmul_grad(
-      act,
-      *bufs,
-      table,
-      slots,
-      optimizer=optimizer,
-      hyperparameters=jnp.asarray(HYPER[optimizer], jnp.float32),
-      **layout,
-    )
+  update = jitted_update(layout)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnums=(2,))
   def step(table, slots, optimizer, act, bufs):

@@ -26,14 +26,19 @@
 //
 // Backward. Deterministic, and no atomics on the table or slots: each valid
 // position gets the key of its table row (invalid ones the key `rows`, past
-// every row), a stable radix sort (CUB) orders the positions by key, and a
-// run-length encoding gives each referenced row its run of positions, in
-// segment order then buffer order, as the CPU handlers sum them. One warp per
-// run of at most kChunk positions sums gain * activation_grad over the run
-// in that order and applies the optimizer once (optimizers.h, the rules the
-// CPU handlers use). Longer runs (hot rows) are cut into chunks of kChunk
-// positions: one warp per chunk writes the chunk's sum to scratch, then one
-// warp per run adds its chunks' sums in chunk order and applies the update.
+// every row) and a packed entry (its output row and gain: all the update
+// reads of it), a stable radix sort (CUB) orders the entries by key, and a
+// run-length encoding gives each referenced row its run of entries, in
+// segment order then buffer order, as the CPU handlers sum them. Each warp
+// takes 32 runs at a time (their rows asked for in L2 at once); a run of at
+// most kChunk entries is summed (gain * activation_grad, in that order, the
+// warp loading 32 entries at a time) and the optimizer applied once
+// (optimizers.h, the rules the CPU handlers use). Longer runs (hot rows) are
+// cut into chunks of kChunk positions: one warp per chunk writes the
+// chunk's sum to scratch, then one warp per run adds its chunks' sums in
+// chunk order and applies the update, or, for a run of more than kBigChunks
+// chunks, a block of 32 warps adds them (warp w the chunks w, w + 32, ...,
+// then the warps' sums in warp order) and one warp applies it.
 // The number of runs is known on the device only: these kernels are
 // launched with a grid that fills the GPU once (kBlocksPerSm blocks per
 // multiprocessor, fewer for small batches) and loop over the runs.
@@ -71,6 +76,7 @@
 #include <cub/device/device_run_length_encode.cuh>
 #include <cub/device/device_scan.cuh>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -88,6 +94,8 @@ constexpr int kWarpSize = 32;
 constexpr int kThreadsPerBlock = 256;
 // Output elements each lane keeps in registers while it walks a run.
 constexpr int kRegs = 4;
+// Columns a warp holds in registers (kRegs per lane).
+constexpr int64_t kTileWidth = kWarpSize * kRegs;
 // Positions summed by one warp: runs longer than this are cut into chunks.
 constexpr int32_t kChunk = 64;
 // Upper bound on the blocks of one launch (the kernels loop over the rest).
@@ -331,19 +339,23 @@ __global__ void PzscCheckKernel(const int32_t* __restrict__ rp,
   status[0] = kStatusRowPointers;
 }
 
-// keys[j] = the table row of position j, or `rows` if unused; positions[j]
-// = j.
+// keys[j] = the table row of position j, or `rows` if unused; entries[j] =
+// the position's output row (high 32 bits; below 2^32, CheckOutputs) and
+// the bits of its gain (low 32 bits), what the update reads of a position,
+// so that the sort carries it along.
 template <typename Key>
 __global__ void PzscKeysKernel(DeviceLayout l, Key rows, Key* keys,
-                               int32_t* positions,
+                               uint64_t* entries,
                                const int32_t* __restrict__ skip) {
   const bool none = *skip != 0;
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
        j < l.num_positions; j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    int64_t out_row;
+    int64_t out_row = 0;
     const int64_t row = none ? -1 : EntryRow(l, j, &out_row);
     keys[j] = row < 0 ? rows : static_cast<Key>(row);
-    positions[j] = static_cast<int32_t>(j);
+    entries[j] = row < 0 ? 0
+                         : static_cast<uint64_t>(out_row) << 32 |
+                               __float_as_uint(l.gains[j]);
   }
 }
 
@@ -363,27 +375,49 @@ struct UpdateArgs {
   // r * width.
   int64_t slot0_width;
   int64_t slot1_width;
-  const int32_t* sorted;  // Positions sorted by row (scratch).
+  // Packed entries (PzscKeysKernel) sorted by row, stably (scratch).
+  const uint64_t* sorted;
 };
 
-// Adds gain * activation_grad[d0 + lane + 32 r] over the positions
-// a.sorted[begin, end), in order, into acc.
+// Adds gain * activation_grad[d0 + lane + 32 r] over the sorted entries
+// [begin, end), in order, into acc. The warp loads 32 entries at a time
+// (one per lane) and broadcasts them; the whole warp must call it.
 __device__ __forceinline__ void SumRun(const UpdateArgs& a, int64_t begin,
                                        int64_t end, int64_t d0, int lane,
                                        float (&acc)[kRegs]) {
-  const DeviceLayout& l = a.l;
+  const int64_t dim = a.l.dim;
+  for (int64_t e0 = begin; e0 < end; e0 += kWarpSize) {
+    const int count = static_cast<int>(min(static_cast<int64_t>(kWarpSize), end - e0));
+    const unsigned long long mine =
+        lane < count ? a.sorted[e0 + lane] : 0ull;
 #pragma unroll 4
-  for (int64_t e = begin; e < end; ++e) {
-    const int64_t j = a.sorted[e];
-    const int64_t k = Segment(l, j);
-    const int64_t out_row = k * l.samples_per_segment + l.sample_ids[j];
-    const float g = l.gains[j];
-    const float* src = a.grad + out_row * l.dim;
+    for (int t = 0; t < count; ++t) {
+      const unsigned long long v = __shfl_sync(0xffffffffu, mine, t);
+      const float g = __uint_as_float(static_cast<uint32_t>(v));
+      const float* src = a.grad + static_cast<int64_t>(v >> 32) * dim;
 #pragma unroll
-    for (int r = 0; r < kRegs; ++r) {
-      const int64_t d = d0 + lane + kWarpSize * r;
-      if (d < l.dim) acc[r] += g * src[d];
+      for (int r = 0; r < kRegs; ++r) {
+        const int64_t d = d0 + lane + kWarpSize * r;
+        if (d < dim) acc[r] += g * src[d];
+      }
     }
+  }
+}
+
+// Asks for the table row `row` and its slot rows in L2 (no wait): the
+// update reads them after summing the row's gradient.
+__device__ __forceinline__ void PrefetchRow(const UpdateArgs& a, int64_t row) {
+  auto prefetch = [](const float* p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 32) {  // 128-byte lines
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(p + i));
+    }
+  };
+  prefetch(a.table + row * a.l.dim, a.l.dim);
+  if (a.slot0 != nullptr) {
+    prefetch(a.slot0 + row * a.slot0_width, a.slot0_width);
+  }
+  if (a.slot1 != nullptr) {
+    prefetch(a.slot1 + row * a.slot1_width, a.slot1_width);
   }
 }
 
@@ -521,7 +555,6 @@ template <Optimizer kOpt, typename TileSum>
 __device__ __forceinline__ void ApplyRowRule(const UpdateArgs& a, int64_t row,
                                              int lane, TileSum tile_sum) {
   using Parts = RowRule<kOpt>;
-  constexpr int64_t kTileWidth = kWarpSize * kRegs;
   const Hyperparameters h = LoadHyperparameters<kOpt>(a);
   const int64_t dim = a.l.dim;
   float* w = a.table + row * dim;
@@ -561,10 +594,12 @@ __device__ __forceinline__ void ApplyRowRule(const UpdateArgs& a, int64_t row,
 // Counters in scratch: [runs, chunks, long runs].
 constexpr int kNumCounters = 3;
 
-// One warp per run of at most kChunk positions: sums it and applies the
-// update. A longer run gets ceil(length / kChunk) consecutive chunk slots
-// from the counter chunks (chunk c covers run positions [c kChunk,
-// (c + 1) kChunk)) and an entry (run, first slot) in long_runs.
+// Each warp takes tiles of 32 consecutive runs: lane i reads run i's key,
+// offset and length (and asks for its rows in L2), then the warp walks the
+// tile's runs, each of at most kChunk positions summed and updated at once.
+// A longer run gets ceil(length / kChunk) consecutive chunk slots from the
+// counter chunks (chunk c covers run positions [c kChunk, (c + 1) kChunk))
+// and an entry (run, first slot) in long_runs.
 template <Optimizer kOpt, typename Key>
 __global__ void PzscUpdateKernel(UpdateArgs a, Key rows,
                                  const Key* __restrict__ run_keys,
@@ -576,45 +611,58 @@ __global__ void PzscUpdateKernel(UpdateArgs a, Key rows,
   const int64_t warps =
       static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
   const int64_t n = counters[0];
-  for (int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x +
-                    threadIdx.x) /
-                   kWarpSize;
-       r < n; r += warps) {
-    const Key key = run_keys[r];
-    if (key >= rows) continue;
-    const int32_t len = run_lengths[r];
-    const int32_t begin = run_offsets[r];
-    if (len > kChunk) {
-      const int32_t chunks = (len + kChunk - 1) / kChunk;
-      int32_t first = 0;
-      if (lane == 0) {
-        first = atomicAdd(&counters[1], chunks);
-        const int32_t at = atomicAdd(&counters[2], 1);
-        long_runs[2 * at] = static_cast<int32_t>(r);
-        long_runs[2 * at + 1] = first;
+  for (int64_t tile = (static_cast<int64_t>(blockIdx.x) * blockDim.x +
+                       threadIdx.x) /
+                      kWarpSize * kWarpSize;
+       tile < n; tile += warps * kWarpSize) {
+    const int count = static_cast<int>(min(static_cast<int64_t>(kWarpSize), n - tile));
+    Key my_key = rows;
+    int32_t my_len = 0, my_begin = 0;
+    if (lane < count) {
+      my_key = run_keys[tile + lane];
+      my_len = run_lengths[tile + lane];
+      my_begin = run_offsets[tile + lane];
+      if (my_key < rows && my_len <= kChunk) {
+        PrefetchRow(a, static_cast<int64_t>(my_key));
       }
-      first = __shfl_sync(0xffffffffu, first, 0);
-      // In int64: begin + (c + 1) kChunk can pass 2^31 when the run ends
-      // within kChunk of it; the bounds themselves fit (<= begin + len).
-      for (int32_t c = lane; c < chunks; c += kWarpSize) {
-        const int64_t lo = static_cast<int64_t>(begin) +
-                           static_cast<int64_t>(c) * kChunk;
-        chunk_begin[first + c] = static_cast<int32_t>(lo);
-        chunk_end[first + c] = static_cast<int32_t>(
-            min(static_cast<int64_t>(begin) + len, lo + kChunk));
-      }
-      continue;
     }
-    if constexpr (IsRowRule(kOpt)) {
-      ApplyRowRule<kOpt>(a, static_cast<int64_t>(key), lane,
-                         [&](int64_t d0, float (&acc)[kRegs]) {
-                           SumRun(a, begin, begin + len, d0, lane, acc);
-                         });
-    } else {
-      for (int64_t d0 = 0; d0 < a.l.dim; d0 += kWarpSize * kRegs) {
-        float acc[kRegs] = {};
-        SumRun(a, begin, begin + len, d0, lane, acc);
-        ApplyRow<kOpt>(a, static_cast<int64_t>(key), d0, lane, acc);
+    for (int q = 0; q < count; ++q) {
+      const Key key = __shfl_sync(0xffffffffu, my_key, q);
+      if (key >= rows) continue;
+      const int32_t len = __shfl_sync(0xffffffffu, my_len, q);
+      const int32_t begin = __shfl_sync(0xffffffffu, my_begin, q);
+      if (len > kChunk) {
+        const int32_t chunks = (len + kChunk - 1) / kChunk;
+        int32_t first = 0;
+        if (lane == 0) {
+          first = atomicAdd(&counters[1], chunks);
+          const int32_t at = atomicAdd(&counters[2], 1);
+          long_runs[2 * at] = static_cast<int32_t>(tile + q);
+          long_runs[2 * at + 1] = first;
+        }
+        first = __shfl_sync(0xffffffffu, first, 0);
+        // In int64: begin + (c + 1) kChunk can pass 2^31 when the run ends
+        // within kChunk of it; the bounds themselves fit (<= begin + len).
+        for (int32_t c = lane; c < chunks; c += kWarpSize) {
+          const int64_t lo = static_cast<int64_t>(begin) +
+                             static_cast<int64_t>(c) * kChunk;
+          chunk_begin[first + c] = static_cast<int32_t>(lo);
+          chunk_end[first + c] = static_cast<int32_t>(
+              min(static_cast<int64_t>(begin) + len, lo + kChunk));
+        }
+        continue;
+      }
+      if constexpr (IsRowRule(kOpt)) {
+        ApplyRowRule<kOpt>(a, static_cast<int64_t>(key), lane,
+                           [&](int64_t d0, float (&acc)[kRegs]) {
+                             SumRun(a, begin, begin + len, d0, lane, acc);
+                           });
+      } else {
+        for (int64_t d0 = 0; d0 < a.l.dim; d0 += kWarpSize * kRegs) {
+          float acc[kRegs] = {};
+          SumRun(a, begin, begin + len, d0, lane, acc);
+          ApplyRow<kOpt>(a, static_cast<int64_t>(key), d0, lane, acc);
+        }
       }
     }
   }
@@ -645,14 +693,15 @@ __global__ void PzscChunkKernel(UpdateArgs a, const int32_t* counters,
   }
 }
 
-// One warp per long run: adds its chunk sums in chunk order, then applies
-// the update.
+// One warp per long run of at most big_chunks chunks: adds its chunk sums
+// in chunk order, then applies the update.
 template <Optimizer kOpt, typename Key>
 __global__ void PzscFinishKernel(UpdateArgs a, const Key* __restrict__ run_keys,
                                  const int32_t* __restrict__ run_lengths,
                                  const int32_t* counters,
                                  const int32_t* __restrict__ long_runs,
-                                 const float* __restrict__ partial) {
+                                 const float* __restrict__ partial,
+                                 int64_t big_chunks) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warps =
       static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
@@ -664,6 +713,7 @@ __global__ void PzscFinishKernel(UpdateArgs a, const Key* __restrict__ run_keys,
     const int32_t r = long_runs[2 * i];
     const int64_t first = long_runs[2 * i + 1];
     const int64_t chunks = (run_lengths[r] + kChunk - 1) / kChunk;
+    if (chunks > big_chunks) continue;  // PzscFinishBigKernel's
     // Adds the chunk sums of elements d0 + lane + 32 q, in chunk order.
     auto sum_chunks = [&](int64_t d0, float (&acc)[kRegs]) {
 #pragma unroll 4
@@ -685,6 +735,88 @@ __global__ void PzscFinishKernel(UpdateArgs a, const Key* __restrict__ run_keys,
         ApplyRow<kOpt>(a, row, d0, lane, acc);
       }
     }
+  }
+}
+
+// Threads of a block of PzscFinishBigKernel, and the long runs it takes:
+// more than kBigChunks chunks (the hottest rows).
+constexpr int kBigWarps = 32;
+constexpr int64_t kBigChunks = 32;
+
+// Shared memory of PzscFinishBigKernel for rows of `dim` elements.
+size_t FinishBigSharedBytes(int64_t dim) {
+  return (kBigWarps * kTileWidth + dim) * sizeof(float);
+}
+
+// One block per long run of more than big_chunks chunks. For each tile of
+// kTileWidth columns, warp w adds the sums of chunks w, w + kBigWarps, ...
+// in chunk order, then thread c adds the warps' sums of column c in warp
+// order into the row's summed gradient (shared memory); warp 0 then applies
+// the update from it. The order is fixed: deterministic.
+template <Optimizer kOpt, typename Key>
+__global__ void __launch_bounds__(kBigWarps* kWarpSize)
+    PzscFinishBigKernel(UpdateArgs a, const Key* __restrict__ run_keys,
+                        const int32_t* __restrict__ run_lengths,
+                        const int32_t* counters,
+                        const int32_t* __restrict__ long_runs,
+                        const float* __restrict__ partial,
+                        int64_t big_chunks) {
+  extern __shared__ float shared[];
+  float* part = shared;                             // [kBigWarps, kTileWidth]
+  float* row_sum = shared + kBigWarps * kTileWidth;  // [dim]
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int64_t dim = a.l.dim;
+  const int64_t n = counters[2];
+  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+    const int32_t r = long_runs[2 * i];
+    const int64_t first = long_runs[2 * i + 1];
+    const int64_t chunks = (run_lengths[r] + kChunk - 1) / kChunk;
+    if (chunks <= big_chunks) continue;  // The same in the whole block.
+    for (int64_t d0 = 0; d0 < dim; d0 += kTileWidth) {
+      float acc[kRegs] = {};
+#pragma unroll 4
+      for (int64_t c = first + warp; c < first + chunks; c += kBigWarps) {
+#pragma unroll
+        for (int q = 0; q < kRegs; ++q) {
+          const int64_t d = d0 + lane + kWarpSize * q;
+          if (d < dim) acc[q] += partial[c * dim + d];
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < kRegs; ++q) {
+        part[warp * kTileWidth + lane + kWarpSize * q] = acc[q];
+      }
+      __syncthreads();
+      if (threadIdx.x < kTileWidth && d0 + threadIdx.x < dim) {
+        float sum = 0.0f;
+        for (int w = 0; w < kBigWarps; ++w) {
+          sum += part[w * kTileWidth + threadIdx.x];
+        }
+        row_sum[d0 + threadIdx.x] = sum;
+      }
+      __syncthreads();
+    }
+    if (warp == 0) {
+      const int64_t row = static_cast<int64_t>(run_keys[r]);
+      auto from_shared = [&](int64_t d0, float (&acc)[kRegs]) {
+#pragma unroll
+        for (int q = 0; q < kRegs; ++q) {
+          const int64_t d = d0 + lane + kWarpSize * q;
+          if (d < dim) acc[q] += row_sum[d];
+        }
+      };
+      if constexpr (IsRowRule(kOpt)) {
+        ApplyRowRule<kOpt>(a, row, lane, from_shared);
+      } else {
+        for (int64_t d0 = 0; d0 < dim; d0 += kTileWidth) {
+          float acc[kRegs] = {};
+          from_shared(d0, acc);
+          ApplyRow<kOpt>(a, row, d0, lane, acc);
+        }
+      }
+    }
+    __syncthreads();  // row_sum is the next run's.
   }
 }
 
@@ -763,24 +895,40 @@ ffi::Error CheckPositions(const CooView& view) {
   return ffi::Error::Success();
 }
 
+// The backward packs an entry's output row into 32 bits (PzscKeysKernel).
+ffi::Error CheckOutputs(const CooView& view) {
+  if (view.num_outputs() > 4294967295) {
+    return ffi::Error::InvalidArgument(
+        "the CUDA backward takes activations of at most 4294967295 rows, "
+        "got " +
+        std::to_string(view.num_outputs()));
+  }
+  return ffi::Error::Success();
+}
+
 int Blocks(int64_t threads) {
   const int64_t blocks = (threads + kThreadsPerBlock - 1) / kThreadsPerBlock;
   return static_cast<int>(blocks < 1 ? 1 : (blocks > kMaxBlocks ? kMaxBlocks
                                                                  : blocks));
 }
 
-// Blocks for `threads` threads capped at a grid that fills the current
-// device once (kBlocksPerSm per multiprocessor); kernels loop over the
-// rest.
-int ResidentBlocks(int64_t threads) {
+// The current device's multiprocessors.
+int Multiprocessors() {
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) !=
           cudaSuccess ||
       sms <= 0) {
-    sms = 132;  // An H100's; only the grid's size depends on it.
+    sms = 132;  // An H100's; only grid sizes depend on it.
   }
-  return std::min(Blocks(threads), kBlocksPerSm * sms);
+  return sms;
+}
+
+// Blocks for `threads` threads capped at a grid that fills the current
+// device once (kBlocksPerSm per multiprocessor); kernels loop over the
+// rest.
+int ResidentBlocks(int64_t threads) {
+  return std::min(Blocks(threads), kBlocksPerSm * Multiprocessors());
 }
 
 ffi::Error ForwardCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
@@ -843,8 +991,8 @@ template <typename Key>
 struct Scratch {
   Key* keys;
   Key* sorted_keys;
-  int32_t* positions;
-  int32_t* sorted;
+  uint64_t* entries;  // PzscKeysKernel's packed entries
+  uint64_t* sorted;   // sorted by key
   Key* run_keys;
   int32_t* run_lengths;
   int32_t* run_offsets;
@@ -870,8 +1018,8 @@ ffi::Error AllocateScratch(ffi::ScratchAllocator& allocator, int64_t n,
   size_t sort_bytes = 0, rle_bytes = 0, scan_bytes = 0;
   PZSC_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
       nullptr, sort_bytes, static_cast<Key*>(nullptr),
-      static_cast<Key*>(nullptr), static_cast<int32_t*>(nullptr),
-      static_cast<int32_t*>(nullptr), n, 0, bits));
+      static_cast<Key*>(nullptr), static_cast<uint64_t*>(nullptr),
+      static_cast<uint64_t*>(nullptr), n, 0, bits));
   PZSC_CUDA_RETURN_IF_ERROR(cub::DeviceRunLengthEncode::Encode(
       nullptr, rle_bytes, static_cast<Key*>(nullptr),
       static_cast<Key*>(nullptr), static_cast<int32_t*>(nullptr),
@@ -882,11 +1030,13 @@ ffi::Error AllocateScratch(ffi::ScratchAllocator& allocator, int64_t n,
   s->cub_bytes = std::max(sort_bytes, std::max(rle_bytes, scan_bytes));
   const size_t key_bytes = Align(n * sizeof(Key));
   const size_t int_bytes = Align(n * sizeof(int32_t));
+  const size_t entry_bytes = Align(n * sizeof(uint64_t));
   const size_t chunk_bytes = Align(MaxChunks(n) * sizeof(int32_t));
   const size_t long_bytes = Align(2 * MaxLongRuns(n) * sizeof(int32_t));
   const size_t partial_bytes = Align(MaxChunks(n) * dim * sizeof(float));
   const size_t counter_bytes = Align(kNumCounters * sizeof(int32_t));
-  const size_t total = 3 * key_bytes + 4 * int_bytes + 2 * chunk_bytes +
+  const size_t total = 3 * key_bytes + 2 * entry_bytes + 2 * int_bytes +
+                       2 * chunk_bytes +
                        long_bytes + partial_bytes + counter_bytes +
                        Align(s->cub_bytes);
   // XLA's allocator takes alignments up to 16: ask for 256 bytes more and
@@ -907,8 +1057,8 @@ ffi::Error AllocateScratch(ffi::ScratchAllocator& allocator, int64_t n,
   s->keys = reinterpret_cast<Key*>(take(key_bytes));
   s->sorted_keys = reinterpret_cast<Key*>(take(key_bytes));
   s->run_keys = reinterpret_cast<Key*>(take(key_bytes));
-  s->positions = reinterpret_cast<int32_t*>(take(int_bytes));
-  s->sorted = reinterpret_cast<int32_t*>(take(int_bytes));
+  s->entries = reinterpret_cast<uint64_t*>(take(entry_bytes));
+  s->sorted = reinterpret_cast<uint64_t*>(take(entry_bytes));
   s->run_lengths = reinterpret_cast<int32_t*>(take(int_bytes));
   s->run_offsets = reinterpret_cast<int32_t*>(take(int_bytes));
   s->chunk_begin = reinterpret_cast<int32_t*>(take(chunk_bytes));
@@ -929,13 +1079,13 @@ ffi::Error RunBackward(cudaStream_t stream, const Scratch<Key>& s,
   const int64_t n = args.l.num_positions;
   args.sorted = s.sorted;
   PzscKeysKernel<Key><<<Blocks(n), kThreadsPerBlock, 0, stream>>>(
-      args.l, rows, s.keys, s.positions, skip);
+      args.l, rows, s.keys, s.entries, skip);
   PZSC_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   size_t bytes = s.cub_bytes;
   // n < 2^31 (CheckPositions): CUB's item counts are int.
   const int items = static_cast<int>(n);
   PZSC_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
-      s.cub, bytes, s.keys, s.sorted_keys, s.positions, s.sorted, items, 0,
+      s.cub, bytes, s.keys, s.sorted_keys, s.entries, s.sorted, items, 0,
       bits, stream));
   // Lengths past the run count are read by the scan: zero them.
   PZSC_CUDA_RETURN_IF_ERROR(
@@ -950,7 +1100,7 @@ ffi::Error RunBackward(cudaStream_t stream, const Scratch<Key>& s,
   PZSC_CUDA_RETURN_IF_ERROR(cub::DeviceScan::ExclusiveSum(
       s.cub, bytes, s.run_lengths, s.run_offsets, items, stream));
   PzscUpdateKernel<kOpt, Key>
-      <<<ResidentBlocks(n * kWarpSize), kThreadsPerBlock, 0, stream>>>(
+      <<<ResidentBlocks(n), kThreadsPerBlock, 0, stream>>>(
           args, rows, s.run_keys, s.run_offsets, s.run_lengths, s.counters,
           s.chunk_begin, s.chunk_end, s.long_runs);
   PZSC_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -958,11 +1108,27 @@ ffi::Error RunBackward(cudaStream_t stream, const Scratch<Key>& s,
                     stream>>>(args, s.counters, s.chunk_begin, s.chunk_end,
                               s.partial);
   PZSC_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  // Runs of more than kBigChunks chunks take a block each, if its shared
+  // memory fits in the default 48 KiB; all long runs take a warp otherwise.
+  const size_t big_bytes = FinishBigSharedBytes(args.l.dim);
+  const bool big = big_bytes <= 48 * 1024;
+  const int64_t big_chunks =
+      big ? kBigChunks : std::numeric_limits<int64_t>::max();
   PzscFinishKernel<kOpt, Key>
-      <<<ResidentBlocks(MaxLongRuns(n) * kWarpSize), kThreadsPerBlock, 0, stream>>>(
-          args, s.run_keys, s.run_lengths, s.counters, s.long_runs,
-          s.partial);
+      <<<ResidentBlocks(MaxLongRuns(n) * kWarpSize), kThreadsPerBlock, 0,
+         stream>>>(args, s.run_keys, s.run_lengths, s.counters, s.long_runs,
+                   s.partial, big_chunks);
   PZSC_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (big) {
+    const int64_t max_big = n / (kBigChunks * kChunk + 1) + 1;
+    const int blocks = static_cast<int>(
+        std::min<int64_t>(max_big, 2 * static_cast<int64_t>(Multiprocessors())));
+    PzscFinishBigKernel<kOpt, Key>
+        <<<blocks, kBigWarps * kWarpSize, big_bytes, stream>>>(
+            args, s.run_keys, s.run_lengths, s.counters, s.long_runs,
+            s.partial, big_chunks);
+    PZSC_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
   return ffi::Error::Success();
 }
 
@@ -996,6 +1162,7 @@ ffi::Error GradCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       err.failure()) {
     return err;
   }
+  if (auto err = CheckOutputs(view); err.failure()) return err;
   if (auto err = CheckPositions(view); err.failure()) return err;
   int32_t* skip = nullptr;
   if (auto err = AllocateSkip(scratch, &skip); err.failure()) return err;
