@@ -49,12 +49,38 @@ int64_t LeadingRows(const ffi::AnyBuffer& buffer) {
   return rows;
 }
 
+ffi::DataType FfiType(TableDtype dtype) {
+  switch (dtype) {
+    case TableDtype::kBF16:
+      return ffi::DataType::BF16;
+    case TableDtype::kF16:
+      return ffi::DataType::F16;
+    case TableDtype::kF32:
+      break;
+  }
+  return ffi::DataType::F32;
+}
+
+const char* DtypeName(TableDtype dtype) {
+  switch (dtype) {
+    case TableDtype::kBF16:
+      return "bfloat16";
+    case TableDtype::kF16:
+      return "float16";
+    case TableDtype::kF32:
+      break;
+  }
+  return "float32";
+}
+
 ffi::Error CheckRows(const ffi::AnyBuffer& buffer, int64_t rows, int64_t cols,
-                     const char* name) {
-  if (buffer.element_type() != ffi::DataType::F32 ||
-      buffer.dimensions().size() < 2) {
-    return ffi::Error::InvalidArgument(std::string(name) +
-                                       " must be float32 of rank >= 2");
+                     const char* name, ffi::DataType dtype) {
+  if (buffer.element_type() != dtype || buffer.dimensions().size() < 2) {
+    const char* type = dtype == ffi::DataType::BF16  ? "bfloat16"
+                       : dtype == ffi::DataType::F16 ? "float16"
+                                                     : "float32";
+    return ffi::Error::InvalidArgument(std::string(name) + " must be " + type +
+                                       " of rank >= 2");
   }
   if (LeadingRows(buffer) != rows || buffer.dimensions().back() != cols) {
     return ffi::Error::InvalidArgument(
@@ -94,10 +120,13 @@ ffi::Error MakeCooView(const LayoutAttrs& attrs,
   if (auto e = CheckBuffer(gains, DataType::F32, 1, "gains"); e.failure()) {
     return e;
   }
-  if (table.element_type() != DataType::F32 ||
+  const DataType table_type = table.element_type();
+  if ((table_type != DataType::F32 && table_type != DataType::BF16 &&
+       table_type != DataType::F16) ||
       table.dimensions().size() < 2) {
     return ffi::Error::InvalidArgument(
-        "table must be float32 of rank >= 2 (rows..., dim)");
+        "table must be float32, bfloat16 or float16 of rank >= 2 (rows..., "
+        "dim)");
   }
   const int64_t n = static_cast<int64_t>(embedding_ids.element_count());
   if (static_cast<int64_t>(sample_ids.element_count()) != n ||
@@ -140,6 +169,9 @@ ffi::Error MakeCooView(const LayoutAttrs& attrs,
   view->rp_stride = nrp / attrs.num_segments;
   view->num_table_partitions = table_rows / attrs.rows_per_partition;
   view->dim = table.dimensions().back();
+  view->table_dtype = table_type == DataType::BF16  ? TableDtype::kBF16
+                      : table_type == DataType::F16 ? TableDtype::kF16
+                                                    : TableDtype::kF32;
   return ffi::Error::Success();
 }
 
@@ -219,15 +251,29 @@ ffi::Error CheckGradOperands(Optimizer optimizer, const CooView& view,
       err.failure()) {
     return err;
   }
-  if (rest.size() != static_cast<size_t>(num_slots) + 1 ||
+  const bool seeded = view.table_dtype != TableDtype::kF32;
+  if (rest.size() != static_cast<size_t>(num_slots) + 1 + seeded ||
       slots_out.size() != static_cast<size_t>(num_slots)) {
     return ffi::Error::InvalidArgument(
         "expected " + std::to_string(num_slots) +
-        " slot operands and results plus the hyperparameters");
+        " slot operands and results plus the hyperparameters" +
+        (seeded ? std::string(" and the rounding seed (a ") +
+                      DtypeName(view.table_dtype) + " table)"
+                : std::string()));
   }
-  if (auto err = CheckRows(*table_out, num_rows, view.dim, "table result");
+  if (auto err = CheckRows(*table_out, num_rows, view.dim, "table result",
+                           FfiType(view.table_dtype));
       err.failure()) {
     return err;
+  }
+  if (seeded) {
+    auto seed = rest.get<ffi::AnyBuffer>(num_slots + 1);
+    if (seed.has_error()) return seed.error();
+    if (seed->element_type() != ffi::DataType::U32 ||
+        seed->element_count() != 1) {
+      return ffi::Error::InvalidArgument(
+          "the rounding seed must be one uint32");
+    }
   }
   for (int s = 0; s < num_slots; ++s) {
     auto slot = rest.get<ffi::AnyBuffer>(s);

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "optimizers.h"
+#include "table_dtype.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace pzsc {
@@ -61,6 +62,7 @@ struct CooView {
   int64_t rp_stride;
   int64_t num_table_partitions;
   int64_t dim;
+  TableDtype table_dtype;  // The table's storage (table_dtype.h).
 
   int64_t num_outputs() const {
     return attrs.num_segments * attrs.samples_per_segment;
@@ -137,9 +139,15 @@ ffi::Error CollectSlices(const CooView& view, std::vector<Slice>* slices);
 // which would make XLA copy around the in-place update).
 int64_t LeadingRows(const ffi::AnyBuffer& buffer);
 
-// Checks that `buffer` is f32 of rank >= 2 holding `rows` rows of `cols`.
+// Checks that `buffer` is f32 (or `dtype`) of rank >= 2 holding `rows` rows
+// of `cols`.
 ffi::Error CheckRows(const ffi::AnyBuffer& buffer, int64_t rows, int64_t cols,
-                     const char* name);
+                     const char* name,
+                     ffi::DataType dtype = ffi::DataType::F32);
+
+// The FFI data type of a table dtype, and its name in errors.
+ffi::DataType FfiType(TableDtype dtype);
+const char* DtypeName(TableDtype dtype);
 
 // Checks that `buffer` is f32 with exactly `rows` x `cols` elements.
 ffi::Error CheckMatrix(const ffi::AnyBuffer& buffer, int64_t rows,
@@ -149,7 +157,8 @@ ffi::Error CheckMatrix(const ffi::AnyBuffer& buffer, int64_t rows,
 // the activation gradient, the table result, the optimizer's slots and their
 // results (each as its list shape says: a Table slot has the table's rows
 // and width, a Row slot the table's rows and width 1; SlotWidth), its
-// hyperparameters and the clip range.
+// hyperparameters, the rounding seed (u32[1], after the hyperparameters,
+// for a 16-bit table only) and the clip range.
 ffi::Error CheckGradOperands(Optimizer optimizer, const CooView& view,
                              const ffi::AnyBuffer& activation_grad,
                              const ffi::AnyBuffer& table,

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "optimizer_list.h"
@@ -40,17 +41,46 @@ inline void PrefetchRow(const float* row, int64_t dim) {
   }
 }
 
-inline void PrefetchRowToL2(const float* row, int64_t dim) {
+template <typename T>
+inline void PrefetchRowToL2(const T* row, int64_t dim) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(float)); b += 64) {
+  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) {
     __builtin_prefetch(p + b, 0, 1);
   }
 }
 
+inline void PrefetchBytesForWrite(const void* data, int64_t bytes) {
+  const char* p = static_cast<const char*>(data);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 1, 3);
+}
+
 inline void PrefetchRowForWrite(const float* row, int64_t dim) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(float)); b += 64) {
-    __builtin_prefetch(p + b, 1, 3);
+  PrefetchBytesForWrite(row, dim * static_cast<int64_t>(sizeof(float)));
+}
+
+// Widens stored row `src` (a 16-bit dtype) into dst[0, dim).
+inline void WidenRow(TableDtype dtype, const uint16_t* __restrict src,
+                     float* __restrict dst, int64_t dim) {
+  if (dtype == TableDtype::kBF16) {
+    for (int64_t i = 0; i < dim; ++i) dst[i] = BF16ToF32(src[i]);
+  } else {
+    for (int64_t i = 0; i < dim; ++i) dst[i] = F16ToF32(src[i]);
+  }
+}
+
+// Narrows src[0, dim) into stored row `dst` of table row `row` (a 16-bit
+// dtype) by stochastic rounding (table_dtype.h).
+inline void NarrowRow(TableDtype dtype, const float* __restrict src,
+                      uint16_t* __restrict dst, int64_t dim, uint32_t seed,
+                      int64_t row) {
+  if (dtype == TableDtype::kBF16) {
+    for (int64_t i = 0; i < dim; ++i) {
+      dst[i] = F32ToBF16Stochastic(src[i], RoundingBits(seed, row, i));
+    }
+  } else {
+    for (int64_t i = 0; i < dim; ++i) {
+      dst[i] = F32ToF16Stochastic(src[i], RoundingBits(seed, row, i));
+    }
   }
 }
 
@@ -86,16 +116,66 @@ typedef float Vec8 __attribute__((vector_size(32), aligned(4), may_alias));
 constexpr int64_t kLanes = 8;
 constexpr int64_t kMaxVecs = 16;
 
+typedef uint16_t U16x8 __attribute__((vector_size(16), aligned(2), may_alias));
+typedef uint32_t U32x8 __attribute__((vector_size(32)));
+typedef int32_t I32x8 __attribute__((vector_size(32)));
+
+// The storage type of a table dtype's elements.
+template <TableDtype kDtype>
+using Stored =
+    typename std::conditional<kDtype == TableDtype::kF32, float, uint16_t>::type;
+
+// One stored element widened to float32 (exact).
+template <TableDtype kDtype>
+inline float Widen(Stored<kDtype> x) {
+  if constexpr (kDtype == TableDtype::kF32) {
+    return x;
+  } else if constexpr (kDtype == TableDtype::kBF16) {
+    return BF16ToF32(x);
+  } else {
+    return F16ToF32(x);
+  }
+}
+
+// acc += g * elements [8 v, 8 v + 8) of a stored row, widened (through a
+// reference: a vector return value would change the ABI per ISA clone).
+template <TableDtype kDtype>
+__attribute__((always_inline)) inline void AxpyVec8(
+    float g, const Stored<kDtype>* __restrict x, int v, Vec8& acc) {
+  if constexpr (kDtype == TableDtype::kF32) {
+    acc += g * reinterpret_cast<const Vec8*>(x)[v];
+  } else if constexpr (kDtype == TableDtype::kBF16) {
+    const U16x8 h = *reinterpret_cast<const U16x8*>(x + kLanes * v);
+    acc += g * reinterpret_cast<Vec8>(__builtin_convertvector(h, U32x8) << 16);
+  } else {
+    // F16ToF32 on 8 lanes: exponent rebiased (twice for inf and NaN),
+    // subnormals (m units of 2^-24) converted from integers.
+    const U16x8 h = *reinterpret_cast<const U16x8*>(x + kLanes * v);
+    const U32x8 hv = __builtin_convertvector(h, U32x8);
+    const U32x8 sign = (hv & 0x8000u) << 16;
+    const U32x8 em = hv & 0x7fffu;
+    // Comparisons give all-ones lanes where true: bitwise blends.
+    const U32x8 special = reinterpret_cast<U32x8>(em >= 0x7c00u);
+    const U32x8 small = reinterpret_cast<U32x8>(em < 0x400u);
+    const U32x8 normal = (em << 13) + (112u << 23) + (special & (112u << 23));
+    const Vec8 sub = __builtin_convertvector(reinterpret_cast<I32x8>(em), Vec8) *
+                     5.9604644775390625e-08f;
+    const U32x8 bits =
+        (reinterpret_cast<U32x8>(sub) & small) | (normal & ~small) | sign;
+    acc += g * reinterpret_cast<Vec8>(bits);
+  }
+}
+
 // out[r, :] = sum over the chunks c in order and j in
-// [c.starts[r], c.starts[r + 1]) of c.sorted[j].gain * table row, in j
-// order, for r in [row_begin, row_end); the dim is kVecs * kLanes when
-// kVecs > 0, `dim` otherwise. Same per-element arithmetic as Axpy into a
-// zeroed row.
-template <int kVecs>
+// [c.starts[r], c.starts[r + 1]) of c.sorted[j].gain * table row (widened
+// to float32), in j order, for r in [row_begin, row_end); the dim is
+// kVecs * kLanes when kVecs > 0, `dim` otherwise. Same per-element
+// arithmetic as Axpy into a zeroed row.
+template <int kVecs, TableDtype kDtype>
 __attribute__((always_inline)) inline void SumRows(
     const ForwardChunk* chunks, int64_t num_chunks, int64_t row_begin,
-    int64_t row_end, const float* __restrict table, float* __restrict out,
-    int64_t dim) {
+    int64_t row_end, const Stored<kDtype>* __restrict table,
+    float* __restrict out, int64_t dim) {
   if (kVecs > 0) dim = kVecs * kLanes;
   for (int64_t r = row_begin; r < row_end; ++r) {
     float* __restrict o = out + r * dim;
@@ -115,18 +195,77 @@ __attribute__((always_inline)) inline void SumRows(
                         .table_offset,
             dim);
         const float g = sorted[j].gain;
-        const float* __restrict x = table + sorted[j].table_offset;
-        if (kVecs > 0) {
-          const Vec8* xv = reinterpret_cast<const Vec8*>(x);
-          for (int v = 0; v < kVecs; ++v) acc[v] += g * xv[v];
-        } else {
+        const Stored<kDtype>* __restrict x = table + sorted[j].table_offset;
+        if constexpr (kVecs > 0) {
+          for (int v = 0; v < kVecs; ++v) AxpyVec8<kDtype>(g, x, v, acc[v]);
+        } else if constexpr (kDtype == TableDtype::kF32) {
           Axpy(g, x, o, dim);
+        } else {
+          for (int64_t i = 0; i < dim; ++i) o[i] += g * Widen<kDtype>(x[i]);
         }
       }
     }
     if (kVecs > 0) {
       Vec8* ov = reinterpret_cast<Vec8*>(o);
       for (int v = 0; v < kVecs; ++v) ov[v] = acc[v];
+    }
+  }
+}
+
+// ForwardSumRows for one table dtype.
+template <TableDtype kDtype>
+inline void SumRowsOf(const ForwardChunk* chunks, int64_t num_chunks,
+                      const void* table_data, int64_t dim, int64_t row_begin,
+                      int64_t row_end, float* out) {
+  const auto* table = static_cast<const Stored<kDtype>*>(table_data);
+  switch (dim % kLanes == 0 && dim <= kMaxVecs * kLanes ? dim / kLanes : 0) {
+#define PZSC_SUM_CASE(k)                                                 \
+  case k:                                                                \
+    return SumRows<k, kDtype>(chunks, num_chunks, row_begin, row_end,    \
+                              table, out, dim);
+    PZSC_SUM_CASE(1)
+    PZSC_SUM_CASE(2)
+    PZSC_SUM_CASE(3)
+    PZSC_SUM_CASE(4)
+    PZSC_SUM_CASE(5)
+    PZSC_SUM_CASE(6)
+    PZSC_SUM_CASE(7)
+    PZSC_SUM_CASE(8)
+    PZSC_SUM_CASE(9)
+    PZSC_SUM_CASE(10)
+    PZSC_SUM_CASE(11)
+    PZSC_SUM_CASE(12)
+    PZSC_SUM_CASE(13)
+    PZSC_SUM_CASE(14)
+    PZSC_SUM_CASE(15)
+    PZSC_SUM_CASE(16)
+#undef PZSC_SUM_CASE
+    default:
+      return SumRows<0, kDtype>(chunks, num_chunks, row_begin, row_end, table,
+                                out, dim);
+  }
+}
+
+// ForwardSumQuantizedRows for one table dtype.
+template <TableDtype kDtype>
+inline void SumQuantizedRowsOf(const ForwardChunk* chunks, int64_t num_chunks,
+                               const void* table_data, int64_t dim,
+                               int64_t row_begin, int64_t row_end, float* out,
+                               const Quantization& q) {
+  const auto* table = static_cast<const Stored<kDtype>*>(table_data);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    float* __restrict o = out + r * dim;
+    for (int64_t i = 0; i < dim; ++i) o[i] = 0.0f;
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const ForwardEntry* sorted = chunks[c].sorted.data();
+      const int64_t* starts = chunks[c].starts.data();
+      for (int64_t j = starts[r], end = starts[r + 1]; j < end; ++j) {
+        const float g = sorted[j].gain;
+        const Stored<kDtype>* __restrict x = table + sorted[j].table_offset;
+        for (int64_t i = 0; i < dim; ++i) {
+          o[i] += g * Quantize(q, Widen<kDtype>(x[i]));
+        }
+      }
     }
   }
 }
@@ -185,53 +324,38 @@ void ForwardSortChunk(const CooView& view, const std::vector<Slice>& slices,
 
 PZSC_MULTIVERSION
 void ForwardSumRows(const ForwardChunk* chunks, int64_t num_chunks,
-                    const float* table, int64_t dim, int64_t row_begin,
-                    int64_t row_end, float* out) {
-  switch (dim % kLanes == 0 && dim <= kMaxVecs * kLanes ? dim / kLanes : 0) {
-#define PZSC_SUM_CASE(k)                                                   \
-  case k:                                                                  \
-    return SumRows<k>(chunks, num_chunks, row_begin, row_end, table, out, \
-                      dim);
-    PZSC_SUM_CASE(1)
-    PZSC_SUM_CASE(2)
-    PZSC_SUM_CASE(3)
-    PZSC_SUM_CASE(4)
-    PZSC_SUM_CASE(5)
-    PZSC_SUM_CASE(6)
-    PZSC_SUM_CASE(7)
-    PZSC_SUM_CASE(8)
-    PZSC_SUM_CASE(9)
-    PZSC_SUM_CASE(10)
-    PZSC_SUM_CASE(11)
-    PZSC_SUM_CASE(12)
-    PZSC_SUM_CASE(13)
-    PZSC_SUM_CASE(14)
-    PZSC_SUM_CASE(15)
-    PZSC_SUM_CASE(16)
-#undef PZSC_SUM_CASE
-    default:
-      return SumRows<0>(chunks, num_chunks, row_begin, row_end, table, out,
-                        dim);
+                    const void* table, TableDtype dtype, int64_t dim,
+                    int64_t row_begin, int64_t row_end, float* out) {
+  switch (dtype) {
+    case TableDtype::kBF16:
+      return SumRowsOf<TableDtype::kBF16>(chunks, num_chunks, table, dim,
+                                          row_begin, row_end, out);
+    case TableDtype::kF16:
+      return SumRowsOf<TableDtype::kF16>(chunks, num_chunks, table, dim,
+                                         row_begin, row_end, out);
+    case TableDtype::kF32:
+      break;
   }
+  SumRowsOf<TableDtype::kF32>(chunks, num_chunks, table, dim, row_begin,
+                              row_end, out);
 }
 
 void ForwardSumQuantizedRows(const ForwardChunk* chunks, int64_t num_chunks,
-                             const float* table, int64_t dim,
+                             const void* table, TableDtype dtype, int64_t dim,
                              int64_t row_begin, int64_t row_end, float* out,
                              const Quantization& q) {
-  for (int64_t r = row_begin; r < row_end; ++r) {
-    float* __restrict o = out + r * dim;
-    for (int64_t i = 0; i < dim; ++i) o[i] = 0.0f;
-    for (int64_t c = 0; c < num_chunks; ++c) {
-      const ForwardEntry* sorted = chunks[c].sorted.data();
-      const int64_t* starts = chunks[c].starts.data();
-      for (int64_t j = starts[r], end = starts[r + 1]; j < end; ++j) {
-        const float g = sorted[j].gain;
-        const float* __restrict x = table + sorted[j].table_offset;
-        for (int64_t i = 0; i < dim; ++i) o[i] += g * Quantize(q, x[i]);
-      }
-    }
+  switch (dtype) {
+    case TableDtype::kBF16:
+      return SumQuantizedRowsOf<TableDtype::kBF16>(
+          chunks, num_chunks, table, dim, row_begin, row_end, out, q);
+    case TableDtype::kF16:
+      return SumQuantizedRowsOf<TableDtype::kF16>(
+          chunks, num_chunks, table, dim, row_begin, row_end, out, q);
+    case TableDtype::kF32:
+      break;
   }
+  SumQuantizedRowsOf<TableDtype::kF32>(chunks, num_chunks, table, dim,
+                                       row_begin, row_end, out, q);
 }
 
 PZSC_MULTIVERSION
@@ -253,6 +377,12 @@ void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
   const int num_slots = NumSlots(plan.optimizer);
   std::vector<float> acc_storage(dim);
   float* __restrict acc = acc_storage.data();
+  // A 16-bit table's row is updated in float32 here, then stored rounded.
+  const TableDtype dtype = v.table_dtype;
+  const bool wide = dtype == TableDtype::kF32;
+  const int64_t row_bytes = dim * (wide ? 4 : 2);
+  char* const table_bytes = static_cast<char*>(plan.table);
+  std::vector<float> row_storage(wide ? 0 : dim);
   std::vector<Cursor> cursors;
   if (key_begin >= key_end) return;
   const int64_t p_first = key_begin / rpp;
@@ -291,7 +421,8 @@ void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
         int64_t pos = c.pos;
         if (pos + kPrefetchDistance < end) {
           const int64_t ahead_row = table_base + ids[pos + kPrefetchDistance];
-          PrefetchRowForWrite(plan.table + ahead_row * dim, dim);
+          PrefetchBytesForWrite(table_bytes + ahead_row * row_bytes,
+                                row_bytes);
           for (int s = 0; s < num_slots; ++s) {
             const int64_t width = plan.slot_width[s];
             PrefetchRowForWrite(plan.slots[s] + ahead_row * width, width);
@@ -307,7 +438,11 @@ void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
       }
       if (!referenced) continue;
       const int64_t key = table_base + row;
-      float* __restrict w = plan.table + key * dim;
+      uint16_t* const stored =
+          reinterpret_cast<uint16_t*>(table_bytes + key * row_bytes);
+      float* __restrict w = wide ? reinterpret_cast<float*>(stored)
+                                 : row_storage.data();
+      if (!wide) WidenRow(dtype, stored, w, dim);
       // Each slot's row at its own width (a Row slot's is one value).
       float* s0 = plan.slots[0] + key * plan.slot_width[0];
       float* s1 = plan.slots[1] + key * plan.slot_width[1];
@@ -336,6 +471,10 @@ void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
         for (int64_t i = 0; i < dim; ++i) {
           w[i] = std::min(std::max(w[i], lo), hi);
         }
+      }
+      if (!wide) {
+        NarrowRow(dtype, w, stored, dim, plan.rounding_seed,
+                  plan.row_base + key);
       }
     }
   }

@@ -31,7 +31,7 @@ struct BackwardPlan {
   const CooView* view;
   const std::vector<SortedRun>* runs;
   const float* activation_grad;
-  float* table;
+  void* table;  // Stored as view->table_dtype (table_dtype.h).
   float* slots[kMaxSlots];
   // Elements per row of each slot (SlotWidth): the table's dim for a Table
   // slot, 1 for a Row slot; slot s's row r starts at r * slot_width[s].
@@ -41,6 +41,11 @@ struct BackwardPlan {
   bool clip;
   float clip_min;
   float clip_max;
+  // A 16-bit table's update: the stochastic rounding's seed, and the
+  // table's first row in the whole stacked table (partition_begin *
+  // rows_per_partition), with which RoundingBits numbers the rows.
+  uint32_t rounding_seed;
+  int64_t row_base;
 };
 
 // One valid entry of the forward.
@@ -71,18 +76,18 @@ void ForwardSortChunk(const CooView& view, const std::vector<Slice>& slices,
                       int64_t begin, int64_t end, ForwardChunk* chunk);
 
 // Writes out[r, :] for r in [row_begin, row_end): the sum of gain * table
-// row over the row's entries in chunks[0], then chunks[1], ... (buffer
-// order), starting from 0 (zeros without entries). Vector registers for
-// dim = 8k <= 128, a generic loop otherwise; table rows prefetched into L2
-// ahead.
+// row (stored as `dtype`, widened to float32) over the row's entries in
+// chunks[0], then chunks[1], ... (buffer order), starting from 0 (zeros
+// without entries). Vector registers for dim = 8k <= 128, a generic loop
+// otherwise; table rows prefetched into L2 ahead.
 void ForwardSumRows(const ForwardChunk* chunks, int64_t num_chunks,
-                    const float* table, int64_t dim, int64_t row_begin,
-                    int64_t row_end, float* out);
+                    const void* table, TableDtype dtype, int64_t dim,
+                    int64_t row_begin, int64_t row_end, float* out);
 
 // ForwardSumRows reading each table value through Quantize(q, .) (generic
 // loop; same summation order).
 void ForwardSumQuantizedRows(const ForwardChunk* chunks, int64_t num_chunks,
-                             const float* table, int64_t dim,
+                             const void* table, TableDtype dtype, int64_t dim,
                              int64_t row_begin, int64_t row_end, float* out,
                              const Quantization& q);
 

@@ -68,7 +68,7 @@ ffi::Error SparseDenseMatmulImpl(
   }
   std::vector<Slice> slices;
   if (auto err = CollectSlices(view, &slices); err.failure()) return err;
-  const float* table_data = table.typed_data<float>();
+  const void* table_data = table.untyped_data();
   float* out_data = out->typed_data<float>();
   if (auto err = CheckQuantization(quantization); err.failure()) return err;
   if (view.dim == 0 || num_out == 0) return ffi::Error::Success();
@@ -98,11 +98,12 @@ ffi::Error SparseDenseMatmulImpl(
                 const int64_t end = std::min(begin + rows_per_block, num_out);
                 if (quantization.num_buckets > 0) {
                   ForwardSumQuantizedRows(chunks, num_chunks, table_data,
-                                          view.dim, begin, end, out_data,
-                                          quantization);
+                                          view.table_dtype, view.dim, begin,
+                                          end, out_data, quantization);
                 } else {
-                  ForwardSumRows(chunks, num_chunks, table_data, view.dim,
-                                 begin, end, out_data);
+                  ForwardSumRows(chunks, num_chunks, table_data,
+                                 view.table_dtype, view.dim, begin, end,
+                                 out_data);
                 }
               });
   for (ForwardChunk& chunk : scratch) {

@@ -895,6 +895,16 @@ ffi::Error CheckPositions(const CooView& view) {
   return ffi::Error::Success();
 }
 
+// The CUDA handlers take float32 tables; 16-bit tables run on the CPU
+// handlers and the reference.
+ffi::Error CheckFloat32Table(const CooView& view) {
+  if (view.table_dtype == TableDtype::kF32) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(
+      std::string("the CUDA handlers take float32 tables, got a ") +
+      DtypeName(view.table_dtype) +
+      " table (16-bit tables run on the CPU handlers and the reference)");
+}
+
 // The backward packs an entry's output row into 32 bits (PzscKeysKernel).
 ffi::Error CheckOutputs(const CooView& view) {
   if (view.num_outputs() > 4294967295) {
@@ -944,6 +954,7 @@ ffi::Error ForwardCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       err.failure()) {
     return err;
   }
+  if (auto err = CheckFloat32Table(view); err.failure()) return err;
   if (auto err = CheckMatrix(*out, view.num_outputs(), view.dim, "output");
       err.failure()) {
     return err;
@@ -1156,6 +1167,7 @@ ffi::Error GradCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       err.failure()) {
     return err;
   }
+  if (auto err = CheckFloat32Table(view); err.failure()) return err;
   if (auto err = CheckGradOperands(kOpt, view, activation_grad, table, rest,
                                    table_out, slots_out, clip, clip_min,
                                    clip_max);

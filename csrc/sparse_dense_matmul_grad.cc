@@ -210,7 +210,12 @@ ffi::Error SparseDenseMatmulGradImpl(
   plan.view = &view;
   plan.runs = &runs.runs;
   plan.activation_grad = activation_grad.typed_data<float>();
-  plan.table = table_out->typed_data<float>();
+  plan.table = table_out->untyped_data();
+  if (view.table_dtype != TableDtype::kF32) {
+    plan.rounding_seed =
+        *rest.get<ffi::AnyBuffer>(kSlots + 1)->typed_data<uint32_t>();
+    plan.row_base = attrs.partition_begin * attrs.rows_per_partition;
+  }
   plan.optimizer = kOpt;
   std::copy_n(rest.get<ffi::AnyBuffer>(kSlots)->typed_data<float>(),
               NumHyperparameters(kOpt), plan.hyper.v);

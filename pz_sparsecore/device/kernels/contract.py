@@ -54,6 +54,7 @@ class BufferShape:
     seg_len: Entries per segment.
     rp_stride: Row pointers per segment.
     dim: Embedding width.
+    table_dtype: The table's storage dtype, by name (``TABLE_DTYPES``).
   """
 
   num_segments: int
@@ -65,6 +66,7 @@ class BufferShape:
   seg_len: int
   rp_stride: int
   dim: int
+  table_dtype: str = "float32"
 
   @property
   def num_outputs(self) -> int:
@@ -88,12 +90,26 @@ def _check_array(x, name: str, dtype, ndim: int) -> None:
     )
 
 
-def _check_table(x, name: str) -> None:
-  """A float32 table of rank >= 2: `[..., rows, dim]` flattened to rows.
+TABLE_DTYPES = ("float32", "bfloat16", "float16")
+"""The storage dtypes a table may have: rows are read widened to float32,
+and an update writes a 16-bit row by stochastic rounding (its seed: the
+``rounding_seed`` operand)."""
+
+
+def _check_table(x, name: str, dtypes: tuple[str, ...] = ("float32",)) -> None:
+  """A table of rank >= 2 (`dtypes`): `[..., rows, dim]` flattened to rows.
 
   Tables may keep a leading shard axis (`[shards, rows, dim]`): reshaping
   them around the in-place update would make XLA copy the table.
   """
+  if hasattr(x, "dtype") and np.dtype(x.dtype).name in dtypes:
+    _check_array(x, name, x.dtype, max(getattr(x, "ndim", 2), 2))
+    return
+  if len(dtypes) > 1 and hasattr(x, "dtype"):
+    raise ValueError(
+      f"{name} must have dtype {', '.join(dtypes[:-1])} or {dtypes[-1]}, "
+      f"got {x.dtype}."
+    )
   _check_array(x, name, jnp.float32, max(getattr(x, "ndim", 2), 2))
 
 
@@ -129,8 +145,8 @@ def check_buffers(
     embedding_ids: int32 ``[num_segments * seg_len]``.
     sample_ids: int32 ``[num_segments * seg_len]``.
     gains: float32 ``[num_segments * seg_len]``.
-    table: float32 ``[..., rows, dim]``, rows a multiple of
-      ``rows_per_partition``.
+    table: ``[..., rows, dim]`` (float32, bfloat16 or float16: see
+      ``TABLE_DTYPES``), rows a multiple of ``rows_per_partition``.
     num_segments: SparseCore segments in the buffers.
     samples_per_segment: Output rows per segment.
     num_partitions: Partitions per segment in the row pointers.
@@ -154,7 +170,7 @@ def check_buffers(
   _check_array(embedding_ids, "embedding_ids", jnp.int32, 1)
   _check_array(sample_ids, "sample_ids", jnp.int32, 1)
   _check_array(gains, "gains", jnp.float32, 1)
-  _check_table(table, "table")
+  _check_table(table, "table", TABLE_DTYPES)
   table_rows = math.prod(table.shape[:-1])
   n = embedding_ids.shape[0]
   if sample_ids.shape[0] != n or gains.shape[0] != n:
@@ -187,6 +203,7 @@ def check_buffers(
     seg_len=n // num_segments,
     rp_stride=nrp // num_segments,
     dim=table.shape[-1],
+    table_dtype=np.dtype(table.dtype).name,
   )
 
 
@@ -198,6 +215,7 @@ def check_grad_operands(
   optimizer: str | optimizers.Optimizer,
   hyperparameters,
   clip: tuple[float, float] | None,
+  rounding_seed=None,
 ) -> optimizers.Optimizer:
   """Validates the backward's extra operands.
 
@@ -211,6 +229,9 @@ def check_grad_operands(
     optimizer: The optimizer's registry name, or its entry.
     hyperparameters: float32 vector of the optimizer's hyper-parameters.
     clip: None, or a ``(min, max)`` pair with ``min <= max``.
+    rounding_seed: For a 16-bit table, an integer scalar (int32 or uint32;
+      e.g. the optimizer step): the stochastic rounding's seed. None for a
+      float32 table.
 
   Returns:
     The optimizer's registry entry.
@@ -256,6 +277,23 @@ def check_grad_operands(
   if clip is not None:
     if len(clip) != 2 or not float(clip[0]) <= float(clip[1]):
       raise ValueError(f"clip must be a (min, max) pair, got {clip!r}.")
+  if shape.table_dtype == "float32":
+    if rounding_seed is not None:
+      raise ValueError(
+        "rounding_seed is for 16-bit tables (stochastic rounding); this "
+        "table is float32."
+      )
+  elif (
+    rounding_seed is None
+    or not hasattr(rounding_seed, "dtype")
+    or np.dtype(rounding_seed.dtype).name not in ("int32", "uint32")
+    or getattr(rounding_seed, "size", 0) != 1
+  ):
+    raise ValueError(
+      f"A {shape.table_dtype} table's update rounds stochastically: pass "
+      "rounding_seed, one int32 or uint32 value (e.g. the optimizer step), "
+      f"got {rounding_seed!r}."
+    )
   return info
 
 

@@ -455,14 +455,20 @@ def sparse_dense_matmul_grad(
   hyperparameters: jax.Array,
   clip: tuple[float, float] | None = None,
   static_attributes: Mapping[str, Any] | None = None,
+  rounding_seed: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
   """Calls the fused backward handler (validated operands; see ``ops``)."""
   slots = tuple(slots)
-  # The table, then each slot in its own shape (a row-wise slot is
-  # `[..., rows, 1]`).
+  # The table (in its dtype), then each slot in its own shape (a row-wise
+  # slot is `[..., rows, 1]`).
   state_types = tuple(
-    jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (table, *slots)
+    jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (table, *slots)
   )
+  # A 16-bit table's update takes the rounding seed after the
+  # hyperparameters (u32[1]).
+  seed = ()
+  if shape.table_dtype != "float32":
+    seed = (jnp.reshape(rounding_seed, (1,)).astype(jnp.uint32),)
   first_state = 5  # Operand index of the table.
   call = jax.ffi.ffi_call(
     grad_target(optimizer),
@@ -481,6 +487,7 @@ def sparse_dense_matmul_grad(
       table,
       *slots,
       hyperparameters,
+      *seed,
     )
   )
   new_table, *new_slots = call(

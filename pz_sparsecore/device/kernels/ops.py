@@ -37,15 +37,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from pz_sparsecore.core import optimizers
 from pz_sparsecore.device.kernels import contract, dispatch, ffi, reference
 
 
 def _grad_fn(impl, shape: contract.BufferShape, **kwargs):
-  """``impl`` (a backward) as a function of the dispatched operands."""
+  """``impl`` (a backward) as a function of the dispatched operands (the
+  rounding seed is one: a 16-bit table's, else an unused 0)."""
 
-  def fn(grad, rp, ids, sids, gains, table, hyper, *slots):
+  def fn(grad, rp, ids, sids, gains, table, hyper, seed, *slots):
     return impl(
       grad,
       rp,
@@ -56,6 +58,7 @@ def _grad_fn(impl, shape: contract.BufferShape, **kwargs):
       slots,
       shape,
       hyperparameters=hyper,
+      rounding_seed=None if shape.table_dtype == "float32" else seed,
       **kwargs,
     )
 
@@ -65,14 +68,14 @@ def _grad_fn(impl, shape: contract.BufferShape, **kwargs):
 def _as_matrices(fn, dim: int):
   """Runs a reference backward on `[rows, dim]` views of the table/slots."""
 
-  def wrapped(grad, rp, ids, sids, gains, table, hyper, *slots):
+  def wrapped(grad, rp, ids, sids, gains, table, hyper, seed, *slots):
     # Each slot by its own width ("table" slots: dim; row-wise: 1).
     flat = [
       table.reshape(-1, dim),
       *(x.reshape(-1, x.shape[-1]) for x in slots),
     ]
     new_table, new_slots = fn(
-      grad, rp, ids, sids, gains, flat[0], hyper, *flat[1:]
+      grad, rp, ids, sids, gains, flat[0], hyper, seed, *flat[1:]
     )
     return new_table.reshape(table.shape), tuple(
       x.reshape(old.shape) for x, old in zip(new_slots, slots, strict=True)
@@ -125,7 +128,9 @@ def sparse_dense_matmul(
     embedding_ids: int32 ``[num_segments * seg_len]`` rows in the shards.
     sample_ids: int32 ``[num_segments * seg_len]`` segment-local samples.
     gains: float32 ``[num_segments * seg_len]``.
-    table: float32 ``[num_table_partitions * rows_per_partition, dim]``.
+    table: ``[num_table_partitions * rows_per_partition, dim]``, float32,
+      bfloat16 or float16 (rows widened to float32 exactly; the output is
+      float32).
     num_segments: SparseCore segments in the buffers.
     samples_per_segment: Output rows per segment.
     num_partitions: Partitions per segment in the row pointers.
@@ -174,6 +179,7 @@ def sparse_dense_matmul(
     lambda *a: reference.sparse_dense_matmul(
       *a[:4], a[4].reshape(-1, shape.dim), shape, quantization
     ),
+    shape.table_dtype,
   )
   out = fn(row_pointers, embedding_ids, sample_ids, gains, table)
   _raise_device_errors_if_eager(out)
@@ -198,6 +204,7 @@ def sparse_dense_matmul_grad(
   partition_begin: int = 0,
   clip: tuple[float, float] | None = None,
   static_attributes: Mapping[str, Any] | None = None,
+  rounding_seed: jax.Array | None = None,
   implementation: str | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
   """Backward of :func:`sparse_dense_matmul` fused with an optimizer step.
@@ -222,7 +229,11 @@ def sparse_dense_matmul_grad(
     embedding_ids: int32 rows in the shards (as in the forward).
     sample_ids: int32 segment-local samples (as in the forward).
     gains: float32 gains (as in the forward).
-    table: float32 ``[num_table_partitions * rows_per_partition, dim]``.
+    table: ``[num_table_partitions * rows_per_partition, dim]``, float32,
+      bfloat16 or float16 (``contract.TABLE_DTYPES``): a 16-bit table's
+      rows are updated in float32 and stored by stochastic rounding
+      (``reference.stochastic_round``), seeded with ``rounding_seed``; its
+      slots stay float32.
     slots: The optimizer's slot variables in its ``slot_names`` order, each
       shaped like ``table``: ``()`` for sgd, ``(accumulator, linear)`` for
       ftrl.
@@ -241,8 +252,12 @@ def sparse_dense_matmul_grad(
     static_attributes: The optimizer's compile-time switches by name (its
       entry's ``static_attributes``, e.g. ftrl's
       ``{"multiply_linear_by_learning_rate": True}``); left out: defaults.
+    rounding_seed: A 16-bit table's (only): one int32 or uint32 value, e.g.
+      the optimizer step, so that a run is reproducible.
     implementation: ``None`` (FFI where compiled, else reference),
-      ``"ffi"`` or ``"reference"``.
+      ``"ffi"`` or ``"reference"``. The CUDA handlers take float32 tables:
+      a 16-bit table's update runs the reference on a GPU (with
+      ``KernelFallbackWarning``).
 
   Returns:
     ``(new_table, new_slots)`` with ``new_slots`` a tuple in slot order.
@@ -275,7 +290,14 @@ def sparse_dense_matmul_grad(
     partition_begin=partition_begin,
   )
   info = contract.check_grad_operands(
-    shape, activation_grad, table, slots, optimizer, hyperparameters, clip
+    shape,
+    activation_grad,
+    table,
+    slots,
+    optimizer,
+    hyperparameters,
+    clip,
+    rounding_seed,
   )
   kwargs = dict(
     clip=None if clip is None else (float(clip[0]), float(clip[1])),
@@ -293,6 +315,7 @@ def sparse_dense_matmul_grad(
       ),
       shape.dim,
     ),
+    shape.table_dtype,
   )
   new_table, new_slots = fn(
     activation_grad,
@@ -302,6 +325,7 @@ def sparse_dense_matmul_grad(
     gains,
     table,
     hyperparameters,
+    jnp.zeros((), jnp.uint32) if rounding_seed is None else rounding_seed,
     *slots,
   )
   _raise_device_errors_if_eager((new_table, new_slots))

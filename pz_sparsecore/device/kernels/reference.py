@@ -126,6 +126,7 @@ def sparse_dense_matmul(
     row_pointers, embedding_ids, sample_ids, shape
   )
   rows = jnp.take(table, table_row, axis=0, mode="fill", fill_value=0)
+  rows = rows.astype(jnp.float32)  # A 16-bit table's rows, widened.
   if quantization is not None:
     rows = quantize(rows, quantization)
   contrib = jnp.where(valid[:, None], gains[:, None] * rows, 0.0)
@@ -173,8 +174,13 @@ def sparse_dense_matmul_grad(
   hyperparameters: jax.Array,
   clip: tuple[float, float] | None = None,
   static_attributes: Mapping[str, Any] | None = None,
+  rounding_seed: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
   """Reference fused backward: row gradients, then one optimizer step per row.
+
+  A 16-bit table's rows are widened to float32, updated, and stored by
+  :func:`stochastic_round` seeded with ``rounding_seed``, numbering the rows
+  from ``partition_begin * rows_per_partition`` (as the handlers do).
 
   Args:
     activation_grad: float32 ``[num_segments * samples_per_segment, dim]``.
@@ -207,6 +213,7 @@ def sparse_dense_matmul_grad(
   num_rows = shape.num_rows
   uniq, grads = _sum_by_row(table_row, contrib, num_rows)
   rows = jnp.take(table, uniq, axis=0, mode="fill", fill_value=0)
+  rows = rows.astype(jnp.float32)
   slot_rows = [
     jnp.take(s, uniq, axis=0, mode="fill", fill_value=1) for s in slots
   ]
@@ -215,6 +222,11 @@ def sparse_dense_matmul_grad(
   )
   if clip is not None:
     new_rows = jnp.clip(new_rows, clip[0], clip[1])
+  if table.dtype != jnp.float32:
+    first = shape.partition_begin * shape.rows_per_partition
+    new_rows = stochastic_round(
+      new_rows, table.dtype, rounding_seed, first + uniq
+    )
   target = jnp.where(uniq < num_rows, uniq, num_rows)
   new_table = table.at[target].set(new_rows, mode="drop")
   new_slots = tuple(
@@ -222,3 +234,67 @@ def sparse_dense_matmul_grad(
     for s, r in zip(slots, new_slot_rows, strict=True)
   )
   return new_table, new_slots
+
+
+# --- stochastic rounding (csrc/table_dtype.h) ---------------------------------
+
+
+def _mix32(h: jax.Array) -> jax.Array:
+  """murmur3's 32-bit finaliser (uint32, wrapping)."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def rounding_bits(seed, rows: jax.Array, dim: int) -> jax.Array:
+  """uint32 ``[len(rows), dim]``: the random bits of element (row, col) of
+  an update seeded with ``seed`` (rows numbered in the whole stacked table:
+  below 2^31 here)."""
+  seed = jnp.asarray(seed).reshape(()).astype(jnp.uint32)
+  row_mix = _mix32(
+    rows.astype(jnp.uint32) ^ _mix32(jnp.uint32(0) + jnp.uint32(0x9E3779B9))
+  )
+  col_mix = _mix32(jnp.arange(dim, dtype=jnp.uint32) + jnp.uint32(0x632BE59B))
+  return _mix32(seed ^ row_mix[:, None] ^ col_mix[None, :])
+
+
+def stochastic_round(values: jax.Array, dtype, seed, rows: jax.Array):
+  """float32 ``[len(rows), dim]`` rounded to ``dtype`` (bfloat16 or
+  float16) stochastically: to the neighbour above (in magnitude) with
+  probability (|x| - |lower|) / (|upper| - |lower|), so that the expectation
+  is x, with :func:`rounding_bits`; NaN stays NaN, inf stays inf, and a
+  value rounded past the largest finite one becomes inf."""
+  bits = rounding_bits(seed, rows, values.shape[-1])
+  b = jax.lax.bitcast_convert_type(values.astype(jnp.float32), jnp.uint32)
+  if jnp.dtype(dtype) == jnp.bfloat16:
+    special = (b & 0x7F800000) == 0x7F800000
+    nan = special & ((b & 0x7FFFFF) != 0)
+    out = jnp.where(
+      special,
+      (b >> 16) | jnp.where(nan, jnp.uint32(0x40), jnp.uint32(0)),
+      (b + (bits >> 16)) >> 16,
+    )
+    return jax.lax.bitcast_convert_type(out.astype(jnp.uint16), jnp.bfloat16)
+  if jnp.dtype(dtype) != jnp.float16:
+    raise ValueError(f"stochastic_round: no rounding to {dtype}.")
+  sign = (b >> 16) & 0x8000
+  a = b & 0x7FFFFFFF
+  special = sign | jnp.where(
+    a > 0x7F800000, jnp.uint32(0x7E00), jnp.uint32(0x7C00)
+  )
+  up = (a + (bits & 0x1FFF)) & jnp.uint32(0xFFFFE000)
+  normal = jnp.where(
+    up >= 0x47800000, sign | 0x7C00, sign | ((up - 0x38000000) >> 13)
+  )
+  scaled = jax.lax.bitcast_convert_type(a, jnp.float32) * jnp.float32(2.0**24)
+  whole = jnp.floor(scaled)
+  u = (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+  small = sign | (
+    whole.astype(jnp.uint32) + ((scaled - whole) > u).astype(jnp.uint32)
+  )
+  out = jnp.where(
+    a >= 0x7F800000, special, jnp.where(a >= 0x38800000, normal, small)
+  )
+  return jax.lax.bitcast_convert_type(out.astype(jnp.uint16), jnp.float16)

@@ -1,0 +1,109 @@
+// Table storage dtypes: float32, bfloat16 and float16 rows. Arithmetic is
+// float32 everywhere; a 16-bit value is widened exactly when read and
+// narrowed by stochastic rounding when an update writes it.
+//
+// Stochastic rounding of a float32 x to a 16-bit format picks one of the
+// two representable neighbours of x, the upper one with probability
+// (x - lower) / (upper - lower) (in magnitude), so that the rounded value's
+// expectation is x. The random bits come from RoundingBits(seed, row, col):
+// a hash of the update's seed (the optimizer step), the element's row in
+// the whole stacked table and its column, so that a run is reproducible and
+// the pure-JAX reference (pz_sparsecore.device.kernels.reference) gives the
+// same bits. bfloat16: 16 random bits added to the float32 bits below the
+// bfloat16 mantissa, then truncated. float16: 13 random bits likewise in the
+// normal range; below it (units of 2^-24) the fraction of a unit is compared
+// with 24 random bits. NaN stays NaN (quiet), +-inf stays; a value that
+// rounds past the largest finite one becomes inf.
+#ifndef PZSC_CSRC_TABLE_DTYPE_H_
+#define PZSC_CSRC_TABLE_DTYPE_H_
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "optimizers.h"  // PZSC_HOST_DEVICE
+
+namespace pzsc {
+
+enum class TableDtype : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+PZSC_HOST_DEVICE uint32_t FloatBits(float x) {
+  uint32_t b;
+  memcpy(&b, &x, sizeof(b));
+  return b;
+}
+
+PZSC_HOST_DEVICE float BitsFloat(uint32_t b) {
+  float x;
+  memcpy(&x, &b, sizeof(x));
+  return x;
+}
+
+PZSC_HOST_DEVICE float BF16ToF32(uint16_t h) {
+  return BitsFloat(static_cast<uint32_t>(h) << 16);
+}
+
+PZSC_HOST_DEVICE float F16ToF32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1fu;
+  const uint32_t m = h & 0x3ffu;
+  if (e == 0) {  // Zero or subnormal: m units of 2^-24 (exact).
+    const float v = static_cast<float>(m) * 5.9604644775390625e-08f;
+    return BitsFloat(FloatBits(v) | sign);
+  }
+  if (e == 31) return BitsFloat(sign | 0x7f800000u | (m << 13));
+  return BitsFloat(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+// murmur3's 32-bit finaliser.
+PZSC_HOST_DEVICE uint32_t Mix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85ebca6bu;
+  h ^= h >> 13;
+  h *= 0xc2b2ae35u;
+  h ^= h >> 16;
+  return h;
+}
+
+// The random bits of element (row, col) for an update seeded with `seed`.
+PZSC_HOST_DEVICE uint32_t RoundingBits(uint32_t seed, int64_t row,
+                                       int64_t col) {
+  const uint32_t r = Mix32(static_cast<uint32_t>(row) ^
+                           Mix32(static_cast<uint32_t>(row >> 32) +
+                                 0x9e3779b9u));
+  return Mix32(seed ^ r ^ Mix32(static_cast<uint32_t>(col) + 0x632be59bu));
+}
+
+PZSC_HOST_DEVICE uint16_t F32ToBF16Stochastic(float x, uint32_t bits) {
+  uint32_t b = FloatBits(x);
+  if ((b & 0x7f800000u) == 0x7f800000u) {  // inf, NaN (kept quiet)
+    return static_cast<uint16_t>((b >> 16) | ((b & 0x7fffffu) ? 0x40u : 0u));
+  }
+  b += bits >> 16;  // May carry into the exponent: rounded up.
+  return static_cast<uint16_t>(b >> 16);
+}
+
+PZSC_HOST_DEVICE uint16_t F32ToF16Stochastic(float x, uint32_t bits) {
+  const uint32_t b = FloatBits(x);
+  const uint16_t sign = static_cast<uint16_t>((b >> 16) & 0x8000u);
+  uint32_t a = b & 0x7fffffffu;
+  if (a >= 0x7f800000u) {  // inf, NaN (kept quiet)
+    return static_cast<uint16_t>(sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  }
+  if (a >= 0x38800000u) {  // |x| >= 2^-14: the normal range.
+    a = (a + (bits & 0x1fffu)) & ~0x1fffu;
+    if (a >= 0x47800000u) return static_cast<uint16_t>(sign | 0x7c00u);
+    return static_cast<uint16_t>(sign | ((a - 0x38000000u) >> 13));
+  }
+  // Units of 2^-24: |x| * 2^24 < 1024 is exact, and so is its fraction.
+  const float scaled = BitsFloat(a) * 16777216.0f;
+  const float whole = floorf(scaled);
+  const float u = static_cast<float>(bits >> 8) * 5.9604644775390625e-08f;
+  const uint32_t q =
+      static_cast<uint32_t>(whole) + ((scaled - whole) > u ? 1u : 0u);
+  return static_cast<uint16_t>(sign | q);  // q == 1024: the least normal.
+}
+
+}  // namespace pzsc
+
+#endif  // PZSC_CSRC_TABLE_DTYPE_H_
