@@ -120,23 +120,6 @@ typedef uint16_t U16x8 __attribute__((vector_size(16), aligned(2), may_alias));
 typedef uint32_t U32x8 __attribute__((vector_size(32)));
 typedef int32_t I32x8 __attribute__((vector_size(32)));
 
-// The storage type of a table dtype's elements.
-template <TableDtype kDtype>
-using Stored =
-    typename std::conditional<kDtype == TableDtype::kF32, float, uint16_t>::type;
-
-// One stored element widened to float32 (exact).
-template <TableDtype kDtype>
-inline float Widen(Stored<kDtype> x) {
-  if constexpr (kDtype == TableDtype::kF32) {
-    return x;
-  } else if constexpr (kDtype == TableDtype::kBF16) {
-    return BF16ToF32(x);
-  } else {
-    return F16ToF32(x);
-  }
-}
-
 // acc += g * elements [8 v, 8 v + 8) of a stored row, widened (through a
 // reference: a vector return value would change the ABI per ISA clone).
 template <TableDtype kDtype>

@@ -52,6 +52,11 @@
 // then, in the same order as in the first pass. The update stays
 // deterministic. Slot rows have their own widths (a Row slot's row r is the
 // one value at r).
+// Tables may be stored as float32, bfloat16 or float16 (table_dtype.h): the
+// forward widens the rows it reads; the update reads each element widened
+// (LoadTable), applies the rule in float32, clips, and stores it back by
+// stochastic rounding with the CPU handlers' random bits (StoreTable, the
+// seed read from its device operand).
 // Clipping follows the update, on the table only. Scratch (keys, positions,
 // runs, chunk sums; O(entries x dim / kChunk + entries), independent of the
 // table's size) comes from XLA's allocator.
@@ -218,13 +223,29 @@ __device__ __forceinline__ Decoded Decode(const DeviceLayout& l, int64_t j) {
   return e;
 }
 
-__device__ __forceinline__ float4 LoadRow(const float* src, Quantization q,
-                                          bool vec4) {
+// Elements [0, 4) (kVec4: 16-byte aligned f32 or 8-byte aligned 16-bit
+// rows) or [0, 1) of a table row at `src`, widened to float32 and read
+// through the quantisation if any.
+template <TableDtype kDtype>
+__device__ __forceinline__ float4 LoadRow(const Stored<kDtype>* src,
+                                          Quantization q, bool vec4) {
   float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (vec4) {
-    x = __ldg(reinterpret_cast<const float4*>(src));
+  if constexpr (kDtype == TableDtype::kF32) {
+    if (vec4) {
+      x = __ldg(reinterpret_cast<const float4*>(src));
+    } else {
+      x.x = __ldg(src);
+    }
   } else {
-    x.x = __ldg(src);
+    if (vec4) {
+      const uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
+      x = make_float4(Widen<kDtype>(static_cast<uint16_t>(v.x & 0xffffu)),
+                      Widen<kDtype>(static_cast<uint16_t>(v.x >> 16)),
+                      Widen<kDtype>(static_cast<uint16_t>(v.y & 0xffffu)),
+                      Widen<kDtype>(static_cast<uint16_t>(v.y >> 16)));
+    } else {
+      x.x = Widen<kDtype>(__ldg(src));
+    }
   }
   if (q.num_buckets > 0) {
     x = make_float4(Quantize(q, x.x), Quantize(q, x.y), Quantize(q, x.z),
@@ -238,9 +259,9 @@ __device__ __forceinline__ float4 LoadRow(const float* src, Quantization q,
 // 2^lane_shift lanes then each walk a contiguous share of the tile, every
 // lane adding kWidth columns (kVec4: dim % 4 == 0 and 16-byte aligned rows,
 // 4 columns at a time) of each entry's gain * row into its output row.
-template <bool kVec4>
+template <bool kVec4, TableDtype kDtype>
 __global__ void __launch_bounds__(kThreadsPerBlock, 4) PzscForwardKernel(DeviceLayout l, int lane_shift,
-                                  const float* __restrict__ table,
+                                  const Stored<kDtype>* __restrict__ table,
                                   float* __restrict__ out, Quantization q,
                                   const int32_t* __restrict__ skip) {
   if (*skip) return;
@@ -278,7 +299,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 4) PzscForwardKernel(DeviceL
 #pragma unroll
         for (int b = 0; b < kForwardBatch; ++b) {
           x[b] = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (rows[b] >= 0) x[b] = LoadRow(table + rows[b] * l.dim + d, q, kVec4);
+          if (rows[b] >= 0) {
+            x[b] = LoadRow<kDtype>(table + rows[b] * l.dim + d, q, kVec4);
+          }
         }
 #pragma unroll
         for (int b = 0; b < kForwardBatch; ++b) {
@@ -367,7 +390,12 @@ struct UpdateArgs {
   bool clip;
   float clip_min;
   float clip_max;
-  float* table;
+  void* table;  // Stored as table_dtype: LoadTable / StoreTable.
+  TableDtype table_dtype;
+  // A 16-bit table's: the rounding seed (u32[1] on the device) and the
+  // table's first row in the whole stacked table (RoundingBits' rows).
+  const uint32_t* rounding_seed;
+  int64_t row_base;
   float* slot0;  // The slots PZSC_SLOT_ARGS passes (PZSC_SLOT_ARGS_MAX).
   float* slot1;
   // Elements per row of each slot (SlotWidth: the table's dim for a Table
@@ -404,6 +432,36 @@ __device__ __forceinline__ void SumRun(const UpdateArgs& a, int64_t begin,
   }
 }
 
+// Element (row, col) of the table, widened to float32.
+__device__ __forceinline__ float LoadTable(const UpdateArgs& a, int64_t row,
+                                           int64_t col) {
+  const int64_t i = row * a.l.dim + col;
+  switch (a.table_dtype) {
+    case TableDtype::kBF16:
+      return BF16ToF32(static_cast<const uint16_t*>(a.table)[i]);
+    case TableDtype::kF16:
+      return F16ToF32(static_cast<const uint16_t*>(a.table)[i]);
+    case TableDtype::kF32:
+      break;
+  }
+  return static_cast<const float*>(a.table)[i];
+}
+
+// Stores w at element (row, col) of the table (a 16-bit table's by
+// stochastic rounding, table_dtype.h).
+__device__ __forceinline__ void StoreTable(const UpdateArgs& a, int64_t row,
+                                           int64_t col, float w) {
+  const int64_t i = row * a.l.dim + col;
+  if (a.table_dtype == TableDtype::kF32) {
+    static_cast<float*>(a.table)[i] = w;
+    return;
+  }
+  const uint32_t bits = RoundingBits(*a.rounding_seed, a.row_base + row, col);
+  static_cast<uint16_t*>(a.table)[i] =
+      a.table_dtype == TableDtype::kBF16 ? F32ToBF16Stochastic(w, bits)
+                                         : F32ToF16Stochastic(w, bits);
+}
+
 // Asks for the table row `row` and its slot rows in L2 (no wait): the
 // update reads them after summing the row's gradient.
 __device__ __forceinline__ void PrefetchRow(const UpdateArgs& a, int64_t row) {
@@ -412,7 +470,11 @@ __device__ __forceinline__ void PrefetchRow(const UpdateArgs& a, int64_t row) {
       asm volatile("prefetch.global.L2 [%0];" ::"l"(p + i));
     }
   };
-  prefetch(a.table + row * a.l.dim, a.l.dim);
+  // In floats: a 16-bit row's half as many.
+  const int64_t table_floats =
+      a.table_dtype == TableDtype::kF32 ? a.l.dim : (a.l.dim + 1) / 2;
+  prefetch(static_cast<const float*>(a.table) + row * table_floats,
+           table_floats);
   if (a.slot0 != nullptr) {
     prefetch(a.slot0 + row * a.slot0_width, a.slot0_width);
   }
@@ -454,7 +516,7 @@ __device__ __forceinline__ void ApplyRow(const UpdateArgs& a, int64_t row,
   for (int r = 0; r < kRegs; ++r) {
     const int64_t d = d0 + lane + kWarpSize * r;
     if (d >= a.l.dim) continue;
-    float& w = a.table[row * a.l.dim + d];
+    float w = LoadTable(a, row, d);
 // Row rules take ApplyRowRule instead: nothing here (the discarded branch
 // of an `if constexpr` would still have to compile).
 #define PZSC_APPLY_ELEMENT_Row(Name, num_slots)
@@ -474,6 +536,7 @@ __device__ __forceinline__ void ApplyRow(const UpdateArgs& a, int64_t row,
 #undef PZSC_APPLY_ELEMENT_Element
 #undef PZSC_APPLY_ELEMENT_Row
     Clip(a, w);
+    StoreTable(a, row, d, w);
   }
 }
 
@@ -557,7 +620,6 @@ __device__ __forceinline__ void ApplyRowRule(const UpdateArgs& a, int64_t row,
   using Parts = RowRule<kOpt>;
   const Hyperparameters h = LoadHyperparameters<kOpt>(a);
   const int64_t dim = a.l.dim;
-  float* w = a.table + row * dim;
   float acc[kRegs];
   // The tile's summed gradient at d0 + lane + 32 r, into acc.
   auto load_tile = [&](int64_t d0) {
@@ -571,7 +633,7 @@ __device__ __forceinline__ void ApplyRowRule(const UpdateArgs& a, int64_t row,
 #pragma unroll
     for (int r = 0; r < kRegs; ++r) {
       const int64_t d = d0 + lane + kWarpSize * r;
-      if (d < dim) term += Parts::Term(h, d, w[d], acc[r]);
+      if (d < dim) term += Parts::Term(h, d, LoadTable(a, row, d), acc[r]);
     }
   }
   const float sum = WarpSum(term);
@@ -585,8 +647,10 @@ __device__ __forceinline__ void ApplyRowRule(const UpdateArgs& a, int64_t row,
     for (int r = 0; r < kRegs; ++r) {
       const int64_t d = d0 + lane + kWarpSize * r;
       if (d >= dim) continue;
-      Parts::Element(h, state, w[d], acc[r]);
-      Clip(a, w[d]);
+      float w = LoadTable(a, row, d);
+      Parts::Element(h, state, w, acc[r]);
+      Clip(a, w);
+      StoreTable(a, row, d, w);
     }
   }
 }
@@ -895,16 +959,6 @@ ffi::Error CheckPositions(const CooView& view) {
   return ffi::Error::Success();
 }
 
-// The CUDA handlers take float32 tables; 16-bit tables run on the CPU
-// handlers and the reference.
-ffi::Error CheckFloat32Table(const CooView& view) {
-  if (view.table_dtype == TableDtype::kF32) return ffi::Error::Success();
-  return ffi::Error::InvalidArgument(
-      std::string("the CUDA handlers take float32 tables, got a ") +
-      DtypeName(view.table_dtype) +
-      " table (16-bit tables run on the CPU handlers and the reference)");
-}
-
 // The backward packs an entry's output row into 32 bits (PzscKeysKernel).
 ffi::Error CheckOutputs(const CooView& view) {
   if (view.num_outputs() > 4294967295) {
@@ -954,7 +1008,6 @@ ffi::Error ForwardCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       err.failure()) {
     return err;
   }
-  if (auto err = CheckFloat32Table(view); err.failure()) return err;
   if (auto err = CheckMatrix(*out, view.num_outputs(), view.dim, "output");
       err.failure()) {
     return err;
@@ -971,10 +1024,12 @@ ffi::Error ForwardCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream));
   const DeviceLayout l = MakeDeviceLayout(view);
   if (view.dim == 0 || l.num_positions == 0) return ffi::Error::Success();
-  const float* t = table.typed_data<float>();
+  const void* t = table.untyped_data();
   float* o = out->typed_data<float>();
+  const uintptr_t row_align =
+      view.table_dtype == TableDtype::kF32 ? 16 : 8;  // 4 elements
   const bool vec4 = view.dim % 4 == 0 &&
-                    reinterpret_cast<uintptr_t>(t) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(t) % row_align == 0 &&
                     reinterpret_cast<uintptr_t>(o) % 16 == 0;
   const int64_t chunks = vec4 ? view.dim / 4 : view.dim;
   int lanes = 1;
@@ -986,12 +1041,28 @@ ffi::Error ForwardCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
   // One warp per tile of kTile positions.
   const int64_t tiles = (l.num_positions + kTile - 1) / kTile;
   const int blocks = ResidentBlocks(tiles * kWarpSize);
-  if (vec4) {
-    PzscForwardKernel<true><<<blocks, kThreadsPerBlock, 0, stream>>>(
-        l, lane_shift, t, o, quantization, skip);
-  } else {
-    PzscForwardKernel<false><<<blocks, kThreadsPerBlock, 0, stream>>>(
-        l, lane_shift, t, o, quantization, skip);
+  auto launch = [&](auto dtype) {
+    constexpr TableDtype kDtype = decltype(dtype)::value;
+    const auto* typed = static_cast<const Stored<kDtype>*>(t);
+    if (vec4) {
+      PzscForwardKernel<true, kDtype><<<blocks, kThreadsPerBlock, 0, stream>>>(
+          l, lane_shift, typed, o, quantization, skip);
+    } else {
+      PzscForwardKernel<false, kDtype>
+          <<<blocks, kThreadsPerBlock, 0, stream>>>(l, lane_shift, typed, o,
+                                                    quantization, skip);
+    }
+  };
+  switch (view.table_dtype) {
+    case TableDtype::kBF16:
+      launch(std::integral_constant<TableDtype, TableDtype::kBF16>());
+      break;
+    case TableDtype::kF16:
+      launch(std::integral_constant<TableDtype, TableDtype::kF16>());
+      break;
+    case TableDtype::kF32:
+      launch(std::integral_constant<TableDtype, TableDtype::kF32>());
+      break;
   }
   PZSC_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return ffi::Error::Success();
@@ -1167,7 +1238,6 @@ ffi::Error GradCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       err.failure()) {
     return err;
   }
-  if (auto err = CheckFloat32Table(view); err.failure()) return err;
   if (auto err = CheckGradOperands(kOpt, view, activation_grad, table, rest,
                                    table_out, slots_out, clip, clip_min,
                                    clip_max);
@@ -1209,7 +1279,13 @@ ffi::Error GradCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
   PZSC_CUDA_RETURN_IF_ERROR(copy(table, *table_out));
   UpdateArgs args{};
   args.l = l;
-  args.table = table_out->typed_data<float>();
+  args.table = table_out->untyped_data();
+  args.table_dtype = view.table_dtype;
+  if (view.table_dtype != TableDtype::kF32) {
+    args.rounding_seed = static_cast<const uint32_t*>(
+        rest.get<ffi::AnyBuffer>(kSlots + 1)->untyped_data());
+    args.row_base = attrs.partition_begin * attrs.rows_per_partition;
+  }
   float* slots[PZSC_SLOT_ARGS_MAX] = {nullptr, nullptr};  // slot0, slot1
   for (int i = 0; i < kSlots; ++i) {
     ffi::Result<ffi::AnyBuffer> slot_out = *slots_out.get<ffi::AnyBuffer>(i);

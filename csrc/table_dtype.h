@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "optimizers.h"  // PZSC_HOST_DEVICE
 
@@ -53,6 +54,22 @@ PZSC_HOST_DEVICE float F16ToF32(uint16_t h) {
   }
   if (e == 31) return BitsFloat(sign | 0x7f800000u | (m << 13));
   return BitsFloat(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+// The storage type of a table dtype's elements.
+template <TableDtype kDtype>
+using Stored = std::conditional_t<kDtype == TableDtype::kF32, float, uint16_t>;
+
+// One stored element widened to float32 (exact).
+template <TableDtype kDtype>
+PZSC_HOST_DEVICE float Widen(Stored<kDtype> x) {
+  if constexpr (kDtype == TableDtype::kF32) {
+    return x;
+  } else if constexpr (kDtype == TableDtype::kBF16) {
+    return BF16ToF32(x);
+  } else {
+    return F16ToF32(x);
+  }
 }
 
 // murmur3's 32-bit finaliser.

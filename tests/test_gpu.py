@@ -153,7 +153,7 @@ def test_forward_matches_reference(case, quantization):
 
 
 def _step(optimizer, static, layout):
-  def step(act, bufs, table, slots, hp, implementation):
+  def step(act, bufs, table, slots, hp, implementation, seed=None):
     return kernels.sparse_dense_matmul_grad(
       act,
       *bufs,
@@ -163,6 +163,7 @@ def _step(optimizer, static, layout):
       hyperparameters=hp,
       clip=(-0.5, 0.5),
       static_attributes=static,
+      rounding_seed=seed,
       implementation=implementation,
       **layout,
     )
@@ -274,6 +275,62 @@ def test_hot_row_longer_than_a_warp_run():
   np.testing.assert_allclose(np.asarray(got[0])[0], expect, 1e-4, 1e-4)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), 1e-4, 1e-4)
+
+
+@pytest.mark.parametrize("dim", [64, 7])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("optimizer", sorted(optimizers.REGISTRY))
+def test_16_bit_tables_on_gpu_match_the_cpu_handler(optimizer, dtype, dim):
+  """Forward and fused update of a bfloat16 / float16 table on the GPU
+  against the CPU handler (the same random bits: equal but where the two
+  float32 updates differ in the last bit, then by one 16-bit step), and the
+  same bits from a second GPU call (the update; the forward's sums are
+  not deterministic on the GPU)."""
+  batch, k, vocab, num_sc = 512, 16, 1000, 4
+  ids = _zipf_batch(5, batch=batch, ids_per_sample=k, vocab=vocab)
+  bufs, padded = _buffers_from_ids(ids, vocab=vocab, dim=dim, num_sc=num_sc)
+  layout = _layout(bufs, padded, batch, num_sc)
+  rng = np.random.default_rng(9)
+  table = (rng.normal(size=(padded, dim)) * 0.1).astype(np.float32)
+  table = np.asarray(jnp.asarray(table, dtype))
+  act = rng.normal(size=(batch, dim)).astype(np.float32)
+  slots = tuple(
+    rng.uniform(0.1, 1.0, size=(padded, slot.width(dim))).astype(np.float32)
+    for slot in optimizers.REGISTRY[optimizer].slots
+  )
+  hp = np.asarray(HYPERPARAMETERS[optimizer], np.float32)
+  static = {MLR: True} if optimizer == "ftrl" else None
+
+  update = _step(optimizer, static, layout)
+  forward = jax.jit(
+    functools.partial(
+      kernels.sparse_dense_matmul, implementation="ffi", **layout
+    )
+  )
+
+  def run(put):
+    a, b, t, s, h, seed = jax.tree.map(
+      put, (act, tuple(bufs), table, slots, hp, np.int32(17))
+    )
+    return forward(*b, t), update(a, b, t, s, h, "ffi", seed)
+
+  want_out, (want_t, want_s) = run(_on_cpu)
+  got_out, (got_t, got_s) = run(_on_gpu)
+  again_out, (again_t, _) = run(_on_gpu)
+  assert got_t.dtype == dtype
+  np.testing.assert_allclose(
+    np.asarray(got_out), np.asarray(want_out), 1e-5, 1e-5
+  )
+  for g, w in zip(got_s, want_s, strict=True):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), 1e-4, 1e-5)
+  bits = lambda x: np.asarray(x).view(np.uint16).astype(np.int64)  # noqa: E731
+  diff = np.abs(bits(got_t) - bits(want_t))
+  assert diff.max() <= 1 and (diff == 0).mean() > 0.98
+  np.testing.assert_array_equal(bits(got_t), bits(again_t))
+  # The forward adds with float atomics: its last bits vary between calls.
+  np.testing.assert_allclose(
+    np.asarray(again_out), np.asarray(got_out), 1e-6, 1e-6
+  )
 
 
 # --- hostile buffers ----------------------------------------------------------

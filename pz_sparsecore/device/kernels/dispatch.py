@@ -47,7 +47,7 @@ IMPLEMENTATIONS = (None, "ffi", "reference")
 PLATFORMS = ("cpu", "cuda")
 """The platforms :func:`pz_sparsecore.backend_info` reports on."""
 
-SIXTEEN_BIT_PLATFORMS = frozenset({"cpu"})
+SIXTEEN_BIT_PLATFORMS = frozenset({"cpu", "cuda"})
 """The platforms whose handlers take bfloat16 and float16 tables."""
 
 _fallback_p = jex_core.Primitive("pzsc_reference_fallback")
@@ -137,10 +137,10 @@ def choose(
       :func:`check_implementation`).
     ffi_fn: Runs the handler.
     reference_fn: Runs the reference, same arguments.
-    table_dtype: The call's table dtype: the handlers of a 16-bit table are
-      the CPU ones (:data:`SIXTEEN_BIT_PLATFORMS`); ``None`` runs the
-      reference elsewhere, warning as for a missing handler (the warning
-      names the dtype).
+    table_dtype: The call's table dtype: a 16-bit table's handlers are those
+      of :data:`SIXTEEN_BIT_PLATFORMS` (CPU and CUDA); ``None`` runs the
+      reference on any other platform, warning as for a missing handler
+      (the warning names the dtype).
 
   Raises:
     ValueError: If ``implementation`` is ``"ffi"`` and the extension has no

@@ -255,9 +255,7 @@ def sparse_dense_matmul_grad(
     rounding_seed: A 16-bit table's (only): one int32 or uint32 value, e.g.
       the optimizer step, so that a run is reproducible.
     implementation: ``None`` (FFI where compiled, else reference),
-      ``"ffi"`` or ``"reference"``. The CUDA handlers take float32 tables:
-      a 16-bit table's update runs the reference on a GPU (with
-      ``KernelFallbackWarning``).
+      ``"ffi"`` or ``"reference"``.
 
   Returns:
     ``(new_table, new_slots)`` with ``new_slots`` a tuple in slot order.
