@@ -197,6 +197,8 @@ def _our_step(table, slots, optimizer, vocab, act_grad, bufs):
     slots,
     optimizer=optimizer,
     hyperparameters=hp,
+    # A 16-bit table's update rounds stochastically.
+    rounding_seed=None if table.dtype == jnp.float32 else jnp.int32(1),
     **layout,
   )
 
@@ -224,15 +226,19 @@ def _jax_rows(arrays, rows: np.ndarray) -> np.ndarray:
   slot's one value broadcast over the row, as the peers' results are)."""
   return np.stack(
     [
-      np.broadcast_to(np.asarray(jnp.take(a, rows, axis=0)), (len(rows), DIM))
+      np.broadcast_to(
+        np.asarray(jnp.take(a, rows, axis=0), np.float32), (len(rows), DIM)
+      )
       for a in arrays
     ]
   )
 
 
-def ours_step(table_np, bufs, act_grad, optimizer: str, rows) -> Impl:
-  """Our training step (forward + fused backward)."""
-  table = jnp.asarray(table_np)
+def ours_step(
+  table_np, bufs, act_grad, optimizer: str, rows, dtype=jnp.float32
+) -> Impl:
+  """Our training step (forward + fused backward), the table in ``dtype``."""
+  table = jnp.asarray(table_np, dtype)
   state = [table, _our_slots(optimizer, table)]
   vocab = table_np.shape[0]
 
@@ -512,15 +518,26 @@ FBGEMM_OPTIMIZERS = {
 }
 
 
-def fbgemm_impl(table_np, ids, act_grad_np, optimizer, rows) -> Impl:
-  """FBGEMM's table-batched embedding on CPU, forward or fused step."""
+def fbgemm_impl(
+  table_np, ids, act_grad_np, optimizer, rows, fp16: bool = False
+) -> Impl:
+  """FBGEMM's table-batched embedding on CPU, forward or fused step
+  (``fp16``: float16 weights, written by stochastic rounding)."""
   mods, _ = _import_fbgemm()
   torch, location, device, tbe_cls, optim_type = mods
+  precision = {}
+  if fp16:
+    from fbgemm_gpu.split_embedding_configs import SparseType
+
+    precision = dict(
+      weights_precision=SparseType.FP16, stochastic_rounding=True
+    )
   tbe = tbe_cls(
     [(table_np.shape[0], DIM, location.HOST, device.CPU)],
     optimizer=getattr(optim_type, FBGEMM_OPTIMIZERS[optimizer]),
     learning_rate=LEARNING_RATE,
     eps=FBGEMM_EPS,
+    **precision,
   )
   with torch.no_grad():
     tbe.split_embedding_weights()[0].copy_(torch.from_numpy(table_np))
@@ -534,10 +551,11 @@ def fbgemm_impl(table_np, ids, act_grad_np, optimizer, rows) -> Impl:
       with torch.no_grad():
         return tbe(flat, offsets)
 
-    return forward, lambda: forward().numpy()
+    return forward, lambda: forward().float().numpy()
 
   def result():
-    table = tbe.split_embedding_weights()[0].detach().numpy()[rows]
+    weights = tbe.split_embedding_weights()[0].detach().float()
+    table = weights.numpy()[rows]
     if optimizer == "sgd":
       return table[None]
     acc = tbe.split_optimizer_states()[0][0].detach().numpy()[rows]
@@ -653,6 +671,29 @@ def bench_forward(report, label, table_np, ids, bufs, peers) -> None:
     _check_forward,
     nbytes,
   )
+  # 16-bit tables (half the bytes): bfloat16 against EmbeddingBag on the
+  # same values in float32; float16 against FBGEMM's float16 weights.
+  for dtype, key, maker in (
+    (jnp.bfloat16, "torch", torch_impl),
+    (jnp.float16, "fbgemm", functools.partial(fbgemm_impl, fp16=True)),
+  ):
+    if key not in peers:
+      continue
+    table16 = jnp.asarray(table_np, dtype)
+    widened = np.asarray(table16, np.float32)
+    other = maker(widened, ids, None, None, None)
+    report.pair(
+      1,
+      label,
+      f"fwd {jnp.dtype(dtype).name}",
+      peers[key] + (" fp32" if key == "torch" else " fp16"),
+      ours_forward(table16, bufs),
+      other,
+      _check_forward,
+      nbytes // 2,
+    )
+    del other
+    gc.collect()
 
 
 def bench_steps(report, label, table_np, ids, bufs, act_grad_np, peers):
@@ -698,6 +739,26 @@ def bench_steps(report, label, table_np, ids, bufs, act_grad_np, peers):
         other,
         check,
         touched_bytes(ids, opt),
+      )
+      del ours, other
+      gc.collect()
+    if opt == "rowwise_adagrad" and "fbgemm" in peers:
+      # float16 tables on both sides, each rounding stochastically (its own
+      # random bits): rows equal within a few float16 steps.
+      widened = np.asarray(jnp.asarray(table_np, jnp.float16), np.float32)
+      ours = ours_step(widened, bufs, act_grad, opt, rows, jnp.float16)
+      other = fbgemm_impl(
+        widened, ids, act_grad_np, "rowwise adagrad", rows, fp16=True
+      )
+      report.pair(
+        2,
+        label,
+        "step rowwise f16",
+        "FBGEMM row-wise fp16",
+        ours,
+        other,
+        lambda ours, got: rows_equal(ours, got, 4e-3),
+        touched_bytes(ids, opt) // 2,
       )
       del ours, other
       gc.collect()

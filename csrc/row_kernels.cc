@@ -69,17 +69,19 @@ inline void WidenRow(TableDtype dtype, const uint16_t* __restrict src,
 }
 
 // Narrows src[0, dim) into stored row `dst` of table row `row` (a 16-bit
-// dtype) by stochastic rounding (table_dtype.h).
+// dtype) by stochastic rounding (table_dtype.h): RoundingBits(seed, row, i)
+// with the columns' parts precomputed (column_mix[i] = ColumnMix(i)).
 inline void NarrowRow(TableDtype dtype, const float* __restrict src,
                       uint16_t* __restrict dst, int64_t dim, uint32_t seed,
-                      int64_t row) {
+                      int64_t row, const uint32_t* __restrict column_mix) {
+  const uint32_t row_seed = seed ^ RowMix(row);
   if (dtype == TableDtype::kBF16) {
     for (int64_t i = 0; i < dim; ++i) {
-      dst[i] = F32ToBF16Stochastic(src[i], RoundingBits(seed, row, i));
+      dst[i] = F32ToBF16Stochastic(src[i], Mix32(row_seed ^ column_mix[i]));
     }
   } else {
     for (int64_t i = 0; i < dim; ++i) {
-      dst[i] = F32ToF16Stochastic(src[i], RoundingBits(seed, row, i));
+      dst[i] = F32ToF16Stochastic(src[i], Mix32(row_seed ^ column_mix[i]));
     }
   }
 }
@@ -366,6 +368,10 @@ void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
   const int64_t row_bytes = dim * (wide ? 4 : 2);
   char* const table_bytes = static_cast<char*>(plan.table);
   std::vector<float> row_storage(wide ? 0 : dim);
+  std::vector<uint32_t> column_mix(wide ? 0 : dim);
+  for (int64_t i = 0; i < static_cast<int64_t>(column_mix.size()); ++i) {
+    column_mix[i] = ColumnMix(i);
+  }
   std::vector<Cursor> cursors;
   if (key_begin >= key_end) return;
   const int64_t p_first = key_begin / rpp;
@@ -457,7 +463,7 @@ void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
       }
       if (!wide) {
         NarrowRow(dtype, w, stored, dim, plan.rounding_seed,
-                  plan.row_base + key);
+                  plan.row_base + key, column_mix.data());
       }
     }
   }

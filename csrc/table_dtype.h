@@ -44,16 +44,26 @@ PZSC_HOST_DEVICE float BF16ToF32(uint16_t h) {
   return BitsFloat(static_cast<uint32_t>(h) << 16);
 }
 
+// All ones where `c`, else zero: selects by masks, so that loops over rows
+// vectorise (a select of values computed by float operations would stay a
+// branch under -ftrapping-math).
+PZSC_HOST_DEVICE uint32_t MaskIf(bool c) { return 0u - static_cast<uint32_t>(c); }
+
+PZSC_HOST_DEVICE uint32_t Select(uint32_t mask, uint32_t yes, uint32_t no) {
+  return (yes & mask) | (no & ~mask);
+}
+
+// The exponent rebiased, twice for inf and NaN; zero and subnormals (m
+// units of 2^-24) from integers. Branch-free.
 PZSC_HOST_DEVICE float F16ToF32(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t e = (h >> 10) & 0x1fu;
-  const uint32_t m = h & 0x3ffu;
-  if (e == 0) {  // Zero or subnormal: m units of 2^-24 (exact).
-    const float v = static_cast<float>(m) * 5.9604644775390625e-08f;
-    return BitsFloat(FloatBits(v) | sign);
-  }
-  if (e == 31) return BitsFloat(sign | 0x7f800000u | (m << 13));
-  return BitsFloat(sign | ((e + 112u) << 23) | (m << 13));
+  const uint32_t em = h & 0x7fffu;
+  const uint32_t normal =
+      (em << 13) + (112u << 23) + (MaskIf(em >= 0x7c00u) & (112u << 23));
+  // (Signed conversions: unsigned ones branch on x86 without AVX-512.)
+  const uint32_t small = FloatBits(
+      static_cast<float>(static_cast<int32_t>(em)) * 5.9604644775390625e-08f);
+  return BitsFloat(Select(MaskIf(em < 0x400u), small, normal) | sign);
 }
 
 // The storage type of a table dtype's elements.
@@ -82,13 +92,20 @@ PZSC_HOST_DEVICE uint32_t Mix32(uint32_t h) {
   return h;
 }
 
+// RoundingBits' parts of a row and of a column (loops hoist them).
+PZSC_HOST_DEVICE uint32_t RowMix(int64_t row) {
+  return Mix32(static_cast<uint32_t>(row) ^
+               Mix32(static_cast<uint32_t>(row >> 32) + 0x9e3779b9u));
+}
+
+PZSC_HOST_DEVICE uint32_t ColumnMix(int64_t col) {
+  return Mix32(static_cast<uint32_t>(col) + 0x632be59bu);
+}
+
 // The random bits of element (row, col) for an update seeded with `seed`.
 PZSC_HOST_DEVICE uint32_t RoundingBits(uint32_t seed, int64_t row,
                                        int64_t col) {
-  const uint32_t r = Mix32(static_cast<uint32_t>(row) ^
-                           Mix32(static_cast<uint32_t>(row >> 32) +
-                                 0x9e3779b9u));
-  return Mix32(seed ^ r ^ Mix32(static_cast<uint32_t>(col) + 0x632be59bu));
+  return Mix32(seed ^ RowMix(row) ^ ColumnMix(col));
 }
 
 PZSC_HOST_DEVICE uint16_t F32ToBF16Stochastic(float x, uint32_t bits) {
@@ -100,25 +117,35 @@ PZSC_HOST_DEVICE uint16_t F32ToBF16Stochastic(float x, uint32_t bits) {
   return static_cast<uint16_t>(b >> 16);
 }
 
+// Every case is formed, one kept (branch-free).
 PZSC_HOST_DEVICE uint16_t F32ToF16Stochastic(float x, uint32_t bits) {
   const uint32_t b = FloatBits(x);
-  const uint16_t sign = static_cast<uint16_t>((b >> 16) & 0x8000u);
-  uint32_t a = b & 0x7fffffffu;
-  if (a >= 0x7f800000u) {  // inf, NaN (kept quiet)
-    return static_cast<uint16_t>(sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u));
-  }
-  if (a >= 0x38800000u) {  // |x| >= 2^-14: the normal range.
-    a = (a + (bits & 0x1fffu)) & ~0x1fffu;
-    if (a >= 0x47800000u) return static_cast<uint16_t>(sign | 0x7c00u);
-    return static_cast<uint16_t>(sign | ((a - 0x38000000u) >> 13));
-  }
-  // Units of 2^-24: |x| * 2^24 < 1024 is exact, and so is its fraction.
-  const float scaled = BitsFloat(a) * 16777216.0f;
-  const float whole = floorf(scaled);
-  const float u = static_cast<float>(bits >> 8) * 5.9604644775390625e-08f;
-  const uint32_t q =
-      static_cast<uint32_t>(whole) + ((scaled - whole) > u ? 1u : 0u);
-  return static_cast<uint16_t>(sign | q);  // q == 1024: the least normal.
+  const uint32_t sign = (b >> 16) & 0x8000u;
+  const uint32_t a = b & 0x7fffffffu;
+  // inf, NaN (kept quiet).
+  const uint32_t special =
+      0x7c00u | (static_cast<uint32_t>(a > 0x7f800000u) << 9);
+  // |x| >= 2^-14, the normal range: 13 random bits added below float16's
+  // last mantissa bit, then truncated; past the largest finite: inf.
+  const uint32_t up = (a + (bits & 0x1fffu)) & ~0x1fffu;
+  const uint32_t normal =
+      Select(MaskIf(up >= 0x47800000u), 0x7c00u, (up - 0x38000000u) >> 13);
+  // Below: units of 2^-24 (|x| * 2^24 < 1024 is exact, and so is its
+  // fraction), rounded up if the fraction exceeds 24 random bits; 1024 is
+  // the least normal.
+  const float scaled =
+      BitsFloat(Select(MaskIf(a < 0x38800000u), a, 0x38800000u)) *
+      16777216.0f;
+  const int32_t whole = static_cast<int32_t>(scaled);  // floor: >= 0
+  const float u = static_cast<float>(static_cast<int32_t>(bits >> 8)) *
+                  5.9604644775390625e-08f;
+  const uint32_t small =
+      static_cast<uint32_t>(whole) +
+      static_cast<uint32_t>((scaled - static_cast<float>(whole)) > u);
+  const uint32_t out =
+      Select(MaskIf(a >= 0x7f800000u), special,
+             Select(MaskIf(a >= 0x38800000u), normal, small));
+  return static_cast<uint16_t>(sign | out);
 }
 
 }  // namespace pzsc
