@@ -10,6 +10,8 @@
 #include "optimizers.h"
 
 // Each exported loop is cloned per ISA and dispatched at load time (ifunc).
+// What it calls must be inlined (always_inline): a function left outlined
+// is compiled for the baseline ISA only.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
     !defined(PZSC_NO_MULTIVERSIONING)
 #define PZSC_MULTIVERSION \
@@ -59,7 +61,7 @@ inline void PrefetchRowForWrite(const float* row, int64_t dim) {
 }
 
 // Widens stored row `src` (a 16-bit dtype) into dst[0, dim).
-inline void WidenRow(TableDtype dtype, const uint16_t* __restrict src,
+__attribute__((always_inline)) inline void WidenRow(TableDtype dtype, const uint16_t* __restrict src,
                      float* __restrict dst, int64_t dim) {
   if (dtype == TableDtype::kBF16) {
     for (int64_t i = 0; i < dim; ++i) dst[i] = BF16ToF32(src[i]);
@@ -71,7 +73,7 @@ inline void WidenRow(TableDtype dtype, const uint16_t* __restrict src,
 // Narrows src[0, dim) into stored row `dst` of table row `row` (a 16-bit
 // dtype) by stochastic rounding (table_dtype.h): RoundingBits(seed, row, i)
 // with the columns' parts precomputed (column_mix[i] = ColumnMix(i)).
-inline void NarrowRow(TableDtype dtype, const float* __restrict src,
+__attribute__((always_inline)) inline void NarrowRow(TableDtype dtype, const float* __restrict src,
                       uint16_t* __restrict dst, int64_t dim, uint32_t seed,
                       int64_t row, const uint32_t* __restrict column_mix) {
   const uint32_t row_seed = seed ^ RowMix(row);
@@ -199,7 +201,7 @@ __attribute__((always_inline)) inline void SumRows(
 
 // ForwardSumRows for one table dtype.
 template <TableDtype kDtype>
-inline void SumRowsOf(const ForwardChunk* chunks, int64_t num_chunks,
+__attribute__((always_inline)) inline void SumRowsOf(const ForwardChunk* chunks, int64_t num_chunks,
                       const void* table_data, int64_t dim, int64_t row_begin,
                       int64_t row_end, float* out) {
   const auto* table = static_cast<const Stored<kDtype>*>(table_data);
@@ -233,7 +235,7 @@ inline void SumRowsOf(const ForwardChunk* chunks, int64_t num_chunks,
 
 // ForwardSumQuantizedRows for one table dtype.
 template <TableDtype kDtype>
-inline void SumQuantizedRowsOf(const ForwardChunk* chunks, int64_t num_chunks,
+__attribute__((always_inline)) inline void SumQuantizedRowsOf(const ForwardChunk* chunks, int64_t num_chunks,
                                const void* table_data, int64_t dim,
                                int64_t row_begin, int64_t row_end, float* out,
                                const Quantization& q) {
