@@ -233,8 +233,8 @@ def stack_tables(
 
   Raises:
     ValueError: On unknown, repeated or already stacked tables, a used stack
-      name, or members with different optimizers, combiners or quantization
-      configs.
+      name, or members with different optimizers, combiners, quantization
+      configs or dtypes.
   """
   n = num_shards(global_device_count, num_sc_per_device)
   table_names = list(table_names)
@@ -315,6 +315,12 @@ def _check_stackable(
       raise ValueError(
         f"tables {table_names} in stack {stack_name!r} have different "
         "quantization configs"
+      )
+    if tables[name].dtype != first.dtype:
+      raise ValueError(
+        f"tables {table_names} in stack {stack_name!r} have different "
+        f"dtypes ({first.name!r}: {first.dtype.name}, {name!r}: "
+        f"{tables[name].dtype.name}); a stack has one dtype"
       )
   check_logical_dims(
     stack_name, first.optimizer, [tables[name] for name in table_names]
@@ -458,6 +464,7 @@ def _stacked_spec(
     combiner=first.combiner,
     total_sample_count=sample_count,
     quantization_config=first.quantization_config,
+    dtype=first.dtype,
     **limits,
   )
 
@@ -476,10 +483,10 @@ def auto_stack_tables(
   """Stacks every group of compatible tables.
 
   Tables (in first-appearance order) are grouped by padded width, optimizer,
-  combiner and quantization config; each group is split greedily so that a
-  stack's activation memory per SparseCore (`padded_dim * samples / N * 4`
-  bytes per table) stays within `activation_mem_bytes_limit`. Each group
-  becomes one stack.
+  combiner, quantization config and dtype; each group is split greedily so
+  that a stack's activation memory per SparseCore (`padded_dim * samples /
+  N * 4` bytes per table) stays within `activation_mem_bytes_limit`. Each
+  group becomes one stack.
 
   Returns:
     New feature specs (still to be passed to
@@ -517,8 +524,8 @@ def compatible_table_groups(
   """The stacks `auto_stack_tables` forms, as lists of table names.
 
   Unstacked tables (in first-appearance order) grouped by padded width
-  (the exact width for a row-wise optimizer's tables), optimizer, combiner
-  and quantization config (and by membership of
+  (the exact width for a row-wise optimizer's tables), optimizer, combiner,
+  quantization config and dtype (and by membership of
   `apart`: tables placed differently never share a stack), each group
   split greedily by activation memory per SparseCore (see
   `auto_stack_tables`). A table alone in its group is a list of one.
@@ -545,6 +552,7 @@ def compatible_table_groups(
       table.optimizer,
       table.combiner,
       table.quantization_config,
+      table.dtype,
       name in apart,
     )
     groups.setdefault(key, []).append(name)

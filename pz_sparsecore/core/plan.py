@@ -118,6 +118,11 @@ class StackPlan:
     return self.spec.optimizer
 
   @property
+  def dtype(self) -> Any:
+    """How the stack's rows are stored (`specs.TABLE_DTYPES`)."""
+    return self.spec.dtype
+
+  @property
   def logical_dim(self) -> int:
     """The members' own width (a row-wise optimizer's mean divides by it;
     `_check_stack` makes it one value for such a stack)."""

@@ -64,6 +64,29 @@ def _check_finite(owner: str, field: str, value: Any) -> None:
     raise ValueError(f"{owner}: {field} must be finite, got {value!r}")
 
 
+TABLE_DTYPES = ("float32", "bfloat16", "float16")
+"""A table's storage dtypes: rows are read widened to float32 and the
+fused update writes a 16-bit row back by stochastic rounding (seeded from
+the step, so runs are reproducible); optimizer slots stay float32."""
+
+
+def table_dtype(owner: str, dtype: Any) -> Any:
+  """``dtype`` as a ``jnp.dtype`` if it is one of ``TABLE_DTYPES``.
+
+  Raises:
+    ValueError: Naming ``owner`` and the value otherwise.
+  """
+  try:
+    value = jnp.dtype(dtype)
+  except TypeError:
+    value = None
+  if value is None or value.name not in TABLE_DTYPES:
+    raise ValueError(
+      f"{owner}: dtype must be one of {TABLE_DTYPES}, got {dtype!r}"
+    )
+  return value
+
+
 def _check_combiner(owner: str, combiner: Any) -> None:
   if combiner not in COMBINERS:
     raise ValueError(
@@ -752,9 +775,11 @@ class StackedTableSpec:
   max_unique_ids_per_partition: int = DEFAULT_MAX_UNIQUE_IDS_PER_PARTITION
   suggested_coo_buffer_size_per_device: int | None = None
   quantization_config: Any = None
+  dtype: Any = jnp.float32
 
   def __post_init__(self):
     owner = f"stack {self.stack_name!r}"
+    object.__setattr__(self, "dtype", table_dtype(owner, self.dtype))
     _check_positive_int(owner, "stack_vocab_size", self.stack_vocab_size)
     _check_positive_int(owner, "stack_embedding_dim", self.stack_embedding_dim)
     _check_positive_int(owner, "total_sample_count", self.total_sample_count)
@@ -790,6 +815,13 @@ class TableSpec:
     quantization_config: A `QuantizationConfig`, or None.
     setting_in_stack: Filled by stacking / preparation.
     stacked_table_spec: Filled by stacking / preparation.
+    dtype: How the rows are stored: float32 (the default), bfloat16 or
+      float16 (`TABLE_DTYPES`). A 16-bit table takes half the memory; its
+      rows are read widened to float32 (activations are float32), updated
+      in float32 and written back by stochastic rounding, seeded from the
+      optimizer step so that a run is reproducible. Its slots stay float32
+      (a row-wise optimizer's: 4 bytes per row). Tables of different dtypes
+      never share a stack.
   """
 
   name: str
@@ -804,11 +836,13 @@ class TableSpec:
   quantization_config: Any = None
   setting_in_stack: TableSettingInStack | None = None
   stacked_table_spec: StackedTableSpec | None = None
+  dtype: Any = jnp.float32
 
   def __post_init__(self):
     owner = f"table {self.name!r}"
     if not isinstance(self.name, str) or not self.name:
       raise ValueError(f"table name must be a non-empty string: {self.name!r}")
+    object.__setattr__(self, "dtype", table_dtype(owner, self.dtype))
     _check_positive_int(owner, "vocabulary_size", self.vocabulary_size)
     _check_positive_int(owner, "embedding_dim", self.embedding_dim)
     _check_combiner(owner, self.combiner)

@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from pz_sparsecore.core.plan import (
@@ -151,6 +153,9 @@ def _local_update(
   stacked = _stacked_grad(stack, topo, grads, options)
   stacked, buffers, shape = _owner_operands(stack, topo, inputs, stacked)
   slots = tuple(slots)
+  seed = None
+  if stack.dtype != jnp.float32:  # `hyperparameters` put the seed last.
+    hyper, seed = hyper[:-1], hyper[-1].astype(jnp.int32)
   bounds = options.bounds.get(stack.name)
   rows = None
   if guard or bounds is not None:
@@ -171,6 +176,7 @@ def _local_update(
     optimizer=stack.optimizer.definition,
     hyperparameters=hyper,
     static_attributes=stack.optimizer.static_attributes(),
+    rounding_seed=seed,
     **shape,
   )
   if bounds is not None:
@@ -563,18 +569,29 @@ def _apply_impl(static, guard, tables, slots, inputs, activation_grads, hyper):
 
 
 def hyperparameters(plan: Plan, step: jax.Array | int):
-  """Stack name -> its optimizer's hyper-parameters at `step`."""
-  return {
-    stack.name: jnp.stack(
-      [
-        jnp.asarray(h, jnp.float32)
-        for h in stack.optimizer.get_hyperparameters(
-          step, embedding_dim=stack.logical_dim
-        )
-      ]
-    )
-    for stack in plan.stacks
-  }
+  """Stack name -> its optimizer's hyper-parameters at `step`; a 16-bit
+  stack's vector ends with its rounding seed (`rounding_seed`)."""
+  out = {}
+  for stack in plan.stacks:
+    h = [
+      jnp.asarray(h, jnp.float32)
+      for h in stack.optimizer.get_hyperparameters(
+        step, embedding_dim=stack.logical_dim
+      )
+    ]
+    if stack.dtype != jnp.float32:
+      h.append(rounding_seed(stack, step).astype(jnp.float32))
+    out[stack.name] = jnp.stack(h)
+  return out
+
+
+def rounding_seed(stack: StackPlan, step: jax.Array | int) -> jax.Array:
+  """The stochastic rounding's seed of a 16-bit stack's update at `step`:
+  24 bits of the step mixed with the stack's name (exact as a float32, so
+  that it travels at the end of the hyper-parameter vector)."""
+  name = np.uint32(zlib.crc32(stack.name.encode()))
+  mixed = jnp.asarray(step).astype(jnp.uint32) * jnp.uint32(0x9E3779B1) ^ name
+  return (mixed & jnp.uint32(0xFFFFFF)).astype(jnp.int32)
 
 
 def compiled_exchange_bytes(

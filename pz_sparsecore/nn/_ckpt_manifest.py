@@ -161,7 +161,8 @@ def _describe_embed(embed: SparseCoreEmbed, out: Description):
       value = None
       if not isinstance(var, SLOTS):
         value = positional_table(config, var.value)
-        dtype = str(np.dtype(value.dtype))
+        if name == TABLE:  # The table's (slots are float32).
+          dtype = str(np.dtype(value.dtype))
       arrays[name] = out.add(value, var.label)
     stacks[stack.name] = {
       "layout": stack_layout(config.plan, stack).to_json(),

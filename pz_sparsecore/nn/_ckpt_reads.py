@@ -129,7 +129,8 @@ def _stack_args(
   return ocp.ArrayRestoreArgs(
     sharding=sharding,
     global_shape=shape,
-    dtype=np.dtype(entry["dtype"]),
+    # The stack's dtype is its table's; slots are float32.
+    dtype=np.dtype(entry["dtype"] if slot is None else np.float32),
     strict=shape == layout.shape,
   )
 

@@ -373,7 +373,9 @@ def _fill_stack(
     shift = jnp.zeros_like(row)
     for i in range(len(stack.tables)):
       shift = jnp.where(row >= starts[i], pool_start[i] - starts[i], shift)
-    shard = jnp.take(pool, row + shift, axis=0)[None]
+    # A 16-bit stack's shard is drawn in float32 and rounded to nearest
+    # (one SparseCore shard at a time: never a float32 copy of the table).
+    shard = jnp.take(pool, row + shift, axis=0)[None].astype(local_table.dtype)
     return jax.lax.dynamic_update_slice_in_dim(local_table, shard, k, axis=0)
 
   fill_shard = jax.jit(
@@ -421,7 +423,7 @@ def _init_values(
       )
       for s in stacks
     }
-    return keys, {s.name: jnp.zeros(shape(s), jnp.float32) for s in stacks}
+    return keys, {s.name: jnp.zeros(shape(s), s.dtype) for s in stacks}
 
   def make_slots():
     # Each slot `[N, V_shard, width]`: the table's width for a "table"

@@ -245,7 +245,12 @@ def _write_logical(
     width = dim if slot is None else slot.width(dim)
     flat[rows, :width] = value.reshape(len(rows), width)
   topo = embed.config.topology
-  return {k: from_host(v, topo.table_sharding(k)) for k, v in changed.items()}
+  # Back in each array's dtype (a 16-bit table's values rounded to
+  # nearest).
+  return {
+    k: from_host(v.astype(arrays[k].dtype), topo.table_sharding(k))
+    for k, v in changed.items()
+  }
 
 
 def set_logical_tables(

@@ -37,7 +37,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from pz_sparsecore.core import optimizers
+from pz_sparsecore.core import optimizers, specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +90,10 @@ def _check_array(x, name: str, dtype, ndim: int) -> None:
     )
 
 
-TABLE_DTYPES = ("float32", "bfloat16", "float16")
-"""The storage dtypes a table may have: rows are read widened to float32,
-and an update writes a 16-bit row by stochastic rounding (its seed: the
-``rounding_seed`` operand)."""
+TABLE_DTYPES = specs.TABLE_DTYPES
+"""The storage dtypes a table may have (``specs.TABLE_DTYPES``): rows are
+read widened to float32, and an update writes a 16-bit row by stochastic
+rounding (its seed: the ``rounding_seed`` operand)."""
 
 
 def _check_table(x, name: str, dtypes: tuple[str, ...] = ("float32",)) -> None:

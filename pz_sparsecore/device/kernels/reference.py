@@ -263,9 +263,9 @@ def rounding_bits(seed, rows: jax.Array, dim: int) -> jax.Array:
 def stochastic_round(values: jax.Array, dtype, seed, rows: jax.Array):
   """float32 ``[len(rows), dim]`` rounded to ``dtype`` (bfloat16 or
   float16) stochastically: to the neighbour above (in magnitude) with
-  probability (|x| - |lower|) / (|upper| - |lower|), so that the expectation
-  is x, with :func:`rounding_bits`; NaN stays NaN, inf stays inf, and a
-  value rounded past the largest finite one becomes inf."""
+  probability ``(abs(x) - abs(lower)) / (abs(upper) - abs(lower))``, so that
+  the expectation is x, with :func:`rounding_bits`; NaN stays NaN, inf
+  stays inf, and a value rounded past the largest finite one becomes inf."""
   bits = rounding_bits(seed, rows, values.shape[-1])
   b = jax.lax.bitcast_convert_type(values.astype(jnp.float32), jnp.uint32)
   if jnp.dtype(dtype) == jnp.bfloat16:
