@@ -122,7 +122,6 @@ constexpr int64_t kMaxVecs = 16;
 
 typedef uint16_t U16x8 __attribute__((vector_size(16), aligned(2), may_alias));
 typedef uint32_t U32x8 __attribute__((vector_size(32)));
-typedef int32_t I32x8 __attribute__((vector_size(32)));
 
 // acc += g * elements [8 v, 8 v + 8) of a stored row, widened (through a
 // reference: a vector return value would change the ABI per ISA clone).
@@ -135,21 +134,9 @@ __attribute__((always_inline)) inline void AxpyVec8(
     const U16x8 h = *reinterpret_cast<const U16x8*>(x + kLanes * v);
     acc += g * reinterpret_cast<Vec8>(__builtin_convertvector(h, U32x8) << 16);
   } else {
-    // F16ToF32 on 8 lanes: exponent rebiased (twice for inf and NaN),
-    // subnormals (m units of 2^-24) converted from integers.
-    const U16x8 h = *reinterpret_cast<const U16x8*>(x + kLanes * v);
-    const U32x8 hv = __builtin_convertvector(h, U32x8);
-    const U32x8 sign = (hv & 0x8000u) << 16;
-    const U32x8 em = hv & 0x7fffu;
-    // Comparisons give all-ones lanes where true: bitwise blends.
-    const U32x8 special = reinterpret_cast<U32x8>(em >= 0x7c00u);
-    const U32x8 small = reinterpret_cast<U32x8>(em < 0x400u);
-    const U32x8 normal = (em << 13) + (112u << 23) + (special & (112u << 23));
-    const Vec8 sub = __builtin_convertvector(reinterpret_cast<I32x8>(em), Vec8) *
-                     5.9604644775390625e-08f;
-    const U32x8 bits =
-        (reinterpret_cast<U32x8>(sub) & small) | (normal & ~small) | sign;
-    acc += g * reinterpret_cast<Vec8>(bits);
+    Vec8 wide;  // F16ToF32 is branch-free: this loop vectorises.
+    for (int i = 0; i < kLanes; ++i) wide[i] = F16ToF32(x[kLanes * v + i]);
+    acc += g * wide;
   }
 }
 

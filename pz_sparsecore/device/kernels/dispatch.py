@@ -47,9 +47,6 @@ IMPLEMENTATIONS = (None, "ffi", "reference")
 PLATFORMS = ("cpu", "cuda")
 """The platforms :func:`pz_sparsecore.backend_info` reports on."""
 
-SIXTEEN_BIT_PLATFORMS = frozenset({"cpu", "cuda"})
-"""The platforms whose handlers take bfloat16 and float16 tables."""
-
 _fallback_p = jex_core.Primitive("pzsc_reference_fallback")
 # (target, platform) pairs already warned about.
 _warned: set[tuple[str, str]] = set()
@@ -126,7 +123,6 @@ def choose(
   implementation: str | None,
   ffi_fn: Callable,
   reference_fn: Callable,
-  table_dtype: str = "float32",
 ) -> Callable:
   """The function running ``implementation`` of ``target`` (see above).
 
@@ -137,10 +133,6 @@ def choose(
       :func:`check_implementation`).
     ffi_fn: Runs the handler.
     reference_fn: Runs the reference, same arguments.
-    table_dtype: The call's table dtype: a 16-bit table's handlers are those
-      of :data:`SIXTEEN_BIT_PLATFORMS` (CPU and CUDA); ``None`` runs the
-      reference on any other platform, warning as for a missing handler
-      (the warning names the dtype).
 
   Raises:
     ValueError: If ``implementation`` is ``"ffi"`` and the extension has no
@@ -165,15 +157,8 @@ def choose(
     return ffi_fn
   if ffi.EXTENSION.module is None:
     return reference_fn
-  platforms = ffi.platforms(target)
-  label = target
-  if table_dtype != "float32":
-    platforms &= SIXTEEN_BIT_PLATFORMS
-    # No handler is registered under this name: the marker warns for every
-    # platform it is lowered for.
-    label = f"{target} ({table_dtype} table)"
-  branches = {platform: ffi_fn for platform in platforms}
-  default = _marked(label, reference_fn)
+  branches = {platform: ffi_fn for platform in ffi.platforms(target)}
+  default = _marked(target, reference_fn)
   return lambda *args: jax.lax.platform_dependent(
     *args, default=default, **branches
   )

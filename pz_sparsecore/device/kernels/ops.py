@@ -179,7 +179,6 @@ def sparse_dense_matmul(
     lambda *a: reference.sparse_dense_matmul(
       *a[:4], a[4].reshape(-1, shape.dim), shape, quantization
     ),
-    shape.table_dtype,
   )
   out = fn(row_pointers, embedding_ids, sample_ids, gains, table)
   _raise_device_errors_if_eager(out)
@@ -313,7 +312,6 @@ def sparse_dense_matmul_grad(
       ),
       shape.dim,
     ),
-    shape.table_dtype,
   )
   new_table, new_slots = fn(
     activation_grad,
