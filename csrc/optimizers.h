@@ -27,7 +27,10 @@
 #ifdef __CUDACC__
 #define PZSC_HOST_DEVICE __host__ __device__ __forceinline__
 #else
-#define PZSC_HOST_DEVICE inline
+// Inlined into its callers always: the CPU row loops are cloned per ISA
+// (target_clones), and a helper left outlined is compiled for the baseline
+// ISA only (or, called from a clone, may be dropped with its prefetches).
+#define PZSC_HOST_DEVICE __attribute__((always_inline)) inline
 #endif
 
 namespace pzsc {
@@ -329,13 +332,13 @@ PZSC_HOST_DEVICE void RowwiseAdagradElement(const Hyperparameters&,
 // g, dim) runs the element rule over `dim` elements (one overload per slot
 // count).
 template <void (*Element)(const Hyperparameters&, float&, float)>
-inline void ApplyRow(const Hyperparameters& h, float* __restrict w,
+PZSC_HOST_DEVICE void ApplyRow(const Hyperparameters& h, float* __restrict w,
                      const float* __restrict g, int64_t dim) {
   for (int64_t i = 0; i < dim; ++i) Element(h, w[i], g[i]);
 }
 
 template <void (*Element)(const Hyperparameters&, float&, float&, float)>
-inline void ApplyRow(const Hyperparameters& h, float* __restrict w,
+PZSC_HOST_DEVICE void ApplyRow(const Hyperparameters& h, float* __restrict w,
                      float* __restrict s0, const float* __restrict g,
                      int64_t dim) {
   for (int64_t i = 0; i < dim; ++i) Element(h, w[i], s0[i], g[i]);
@@ -343,7 +346,7 @@ inline void ApplyRow(const Hyperparameters& h, float* __restrict w,
 
 template <void (*Element)(const Hyperparameters&, float&, float&, float&,
                           float)>
-inline void ApplyRow(const Hyperparameters& h, float* __restrict w,
+PZSC_HOST_DEVICE void ApplyRow(const Hyperparameters& h, float* __restrict w,
                      float* __restrict s0, float* __restrict s1,
                      const float* __restrict g, int64_t dim) {
   for (int64_t i = 0; i < dim; ++i) Element(h, w[i], s0[i], s1[i], g[i]);
@@ -360,7 +363,7 @@ template <typename State,
           State (*Row)(const Hyperparameters&, float&, float),
           void (*Element)(const Hyperparameters&, const State&, float&,
                           float)>
-inline void ApplyRowRule(const Hyperparameters& h, float* __restrict w,
+PZSC_HOST_DEVICE void ApplyRowRule(const Hyperparameters& h, float* __restrict w,
                          float* __restrict s0, const float* __restrict g,
                          int64_t dim) {
   float sum = 0.0f;

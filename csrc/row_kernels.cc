@@ -36,7 +36,7 @@ constexpr int64_t kPrefetchDistance = 16;
 // are within noise.
 constexpr int64_t kForwardPrefetchDistance = 48;
 
-inline void PrefetchRow(const float* row, int64_t dim) {
+PZSC_HOST_DEVICE void PrefetchRow(const float* row, int64_t dim) {
   const char* p = reinterpret_cast<const char*>(row);
   for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(float)); b += 64) {
     __builtin_prefetch(p + b, 0, 3);
@@ -44,24 +44,24 @@ inline void PrefetchRow(const float* row, int64_t dim) {
 }
 
 template <typename T>
-inline void PrefetchRowToL2(const T* row, int64_t dim) {
+PZSC_HOST_DEVICE void PrefetchRowToL2(const T* row, int64_t dim) {
   const char* p = reinterpret_cast<const char*>(row);
   for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) {
     __builtin_prefetch(p + b, 0, 1);
   }
 }
 
-inline void PrefetchBytesForWrite(const void* data, int64_t bytes) {
+PZSC_HOST_DEVICE void PrefetchBytesForWrite(const void* data, int64_t bytes) {
   const char* p = static_cast<const char*>(data);
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 1, 3);
 }
 
-inline void PrefetchRowForWrite(const float* row, int64_t dim) {
+PZSC_HOST_DEVICE void PrefetchRowForWrite(const float* row, int64_t dim) {
   PrefetchBytesForWrite(row, dim * static_cast<int64_t>(sizeof(float)));
 }
 
 // Widens stored row `src` (a 16-bit dtype) into dst[0, dim).
-__attribute__((always_inline)) inline void WidenRow(TableDtype dtype, const uint16_t* __restrict src,
+PZSC_HOST_DEVICE void WidenRow(TableDtype dtype, const uint16_t* __restrict src,
                      float* __restrict dst, int64_t dim) {
   if (dtype == TableDtype::kBF16) {
     for (int64_t i = 0; i < dim; ++i) dst[i] = BF16ToF32(src[i]);
@@ -73,7 +73,7 @@ __attribute__((always_inline)) inline void WidenRow(TableDtype dtype, const uint
 // Narrows src[0, dim) into stored row `dst` of table row `row` (a 16-bit
 // dtype) by stochastic rounding (table_dtype.h): RoundingBits(seed, row, i)
 // with the columns' parts precomputed (column_mix[i] = ColumnMix(i)).
-__attribute__((always_inline)) inline void NarrowRow(TableDtype dtype, const float* __restrict src,
+PZSC_HOST_DEVICE void NarrowRow(TableDtype dtype, const float* __restrict src,
                       uint16_t* __restrict dst, int64_t dim, uint32_t seed,
                       int64_t row, const uint32_t* __restrict column_mix) {
   const uint32_t row_seed = seed ^ RowMix(row);
@@ -88,13 +88,13 @@ __attribute__((always_inline)) inline void NarrowRow(TableDtype dtype, const flo
   }
 }
 
-inline void Axpy(float a, const float* __restrict x, float* __restrict y,
+PZSC_HOST_DEVICE void Axpy(float a, const float* __restrict x, float* __restrict y,
                  int64_t dim) {
   for (int64_t i = 0; i < dim; ++i) y[i] += a * x[i];
 }
 
 // First position in [begin, end) whose id is >= value (ids sorted).
-inline int64_t LowerBound(const int32_t* ids, int64_t begin, int64_t end,
+PZSC_HOST_DEVICE int64_t LowerBound(const int32_t* ids, int64_t begin, int64_t end,
                           int64_t value) {
   while (begin < end) {
     const int64_t mid = begin + (end - begin) / 2;
@@ -126,7 +126,7 @@ typedef uint32_t U32x8 __attribute__((vector_size(32)));
 // acc += g * elements [8 v, 8 v + 8) of a stored row, widened (through a
 // reference: a vector return value would change the ABI per ISA clone).
 template <TableDtype kDtype>
-__attribute__((always_inline)) inline void AxpyVec8(
+PZSC_HOST_DEVICE void AxpyVec8(
     float g, const Stored<kDtype>* __restrict x, int v, Vec8& acc) {
   if constexpr (kDtype == TableDtype::kF32) {
     acc += g * reinterpret_cast<const Vec8*>(x)[v];
@@ -140,17 +140,38 @@ __attribute__((always_inline)) inline void AxpyVec8(
   }
 }
 
-// out[r, :] = sum over the chunks c in order and j in
-// [c.starts[r], c.starts[r + 1]) of c.sorted[j].gain * table row (widened
-// to float32), in j order, for r in [row_begin, row_end); the dim is
-// kVecs * kLanes when kVecs > 0, `dim` otherwise. Same per-element
-// arithmetic as Axpy into a zeroed row.
+typedef uint16_t U16x16
+    __attribute__((vector_size(32), aligned(2), may_alias));
+
+// a += g * elements {0-3, 8-11} and b += g * elements {4-7, 12-15} of the
+// 16 bfloat16 values at x, widened: interleaving zeros below each value
+// within 128-bit halves (vpunpcklwd / vpunpckhwd) widens them in one
+// instruction per 8. Each element's arithmetic is AxpyVec8's; the caller
+// undoes the permutation once per output row.
+PZSC_HOST_DEVICE void AxpyBF16Pair(float g, const uint16_t* __restrict x,
+                                   Vec8& a, Vec8& b) {
+  const U16x16 h = *reinterpret_cast<const U16x16*>(x);
+  const U16x16 z = {};
+  a += g * reinterpret_cast<Vec8>(__builtin_shufflevector(
+               z, h, 0, 16, 1, 17, 2, 18, 3, 19, 8, 24, 9, 25, 10, 26, 11, 27));
+  b += g * reinterpret_cast<Vec8>(__builtin_shufflevector(
+               z, h, 4, 20, 5, 21, 6, 22, 7, 23, 12, 28, 13, 29, 14, 30, 15,
+               31));
+}
+
+// out[r, :] = sum over j in [order.starts[r], order.starts[r + 1]) of
+// order.sorted[j].gain * table row (widened to float32), in j order, for r
+// in [row_begin, row_end); the dim is kVecs * kLanes when kVecs > 0, `dim`
+// otherwise. Same per-element arithmetic as Axpy into a zeroed row.
 template <int kVecs, TableDtype kDtype>
-__attribute__((always_inline)) inline void SumRows(
-    const ForwardChunk* chunks, int64_t num_chunks, int64_t row_begin,
-    int64_t row_end, const Stored<kDtype>* __restrict table,
-    float* __restrict out, int64_t dim) {
+PZSC_HOST_DEVICE void SumRows(const ForwardOrder& order, int64_t row_begin,
+                              int64_t row_end,
+                              const Stored<kDtype>* __restrict table,
+                              float* __restrict out, int64_t dim) {
   if (kVecs > 0) dim = kVecs * kLanes;
+  const ForwardEntry* __restrict sorted = order.sorted.data();
+  const int64_t* starts = order.starts.data();
+  const int64_t last = static_cast<int64_t>(order.sorted.size()) - 1;
   for (int64_t r = row_begin; r < row_end; ++r) {
     float* __restrict o = out + r * dim;
     Vec8 acc[kVecs > 0 ? kVecs : 1];
@@ -159,27 +180,41 @@ __attribute__((always_inline)) inline void SumRows(
     } else {
       for (int64_t i = 0; i < dim; ++i) o[i] = 0.0f;
     }
-    for (int64_t c = 0; c < num_chunks; ++c) {
-      const ForwardEntry* __restrict sorted = chunks[c].sorted.data();
-      const int64_t last = static_cast<int64_t>(chunks[c].sorted.size()) - 1;
-      const int64_t* starts = chunks[c].starts.data();
-      for (int64_t j = starts[r], end = starts[r + 1]; j < end; ++j) {
-        PrefetchRowToL2(
-            table + sorted[std::min(j + kForwardPrefetchDistance, last)]
-                        .table_offset,
-            dim);
-        const float g = sorted[j].gain;
-        const Stored<kDtype>* __restrict x = table + sorted[j].table_offset;
-        if constexpr (kVecs > 0) {
-          for (int v = 0; v < kVecs; ++v) AxpyVec8<kDtype>(g, x, v, acc[v]);
-        } else if constexpr (kDtype == TableDtype::kF32) {
-          Axpy(g, x, o, dim);
-        } else {
-          for (int64_t i = 0; i < dim; ++i) o[i] += g * Widen<kDtype>(x[i]);
+    for (int64_t j = starts[r], end = starts[r + 1]; j < end; ++j) {
+      PrefetchRowToL2(
+          table + sorted[std::min(j + kForwardPrefetchDistance, last)].row *
+                      dim,
+          dim);
+      const float g = sorted[j].gain;
+      const Stored<kDtype>* __restrict x = table + sorted[j].row * dim;
+      if constexpr (kVecs > 0 && kDtype == TableDtype::kBF16) {
+        // Pairs of vectors widen 16 values with two interleaves (the
+        // values land permuted: InterleavedPairs); an odd last vector as
+        // AxpyVec8.
+        for (int v = 0; v + 1 < kVecs; v += 2) {
+          AxpyBF16Pair(g, x + kLanes * v, acc[v], acc[v + 1]);
         }
+        if (kVecs % 2 == 1) {
+          AxpyVec8<kDtype>(g, x, kVecs - 1, acc[kVecs - 1]);
+        }
+      } else if constexpr (kVecs > 0) {
+        for (int v = 0; v < kVecs; ++v) AxpyVec8<kDtype>(g, x, v, acc[v]);
+      } else if constexpr (kDtype == TableDtype::kF32) {
+        Axpy(g, x, o, dim);
+      } else {
+        for (int64_t i = 0; i < dim; ++i) o[i] += g * Widen<kDtype>(x[i]);
       }
     }
-    if (kVecs > 0) {
+    if constexpr (kVecs > 0 && kDtype == TableDtype::kBF16) {
+      Vec8* ov = reinterpret_cast<Vec8*>(o);
+      for (int v = 0; v + 1 < kVecs; v += 2) {
+        ov[v] = __builtin_shufflevector(acc[v], acc[v + 1], 0, 1, 2, 3, 8, 9,
+                                        10, 11);
+        ov[v + 1] = __builtin_shufflevector(acc[v], acc[v + 1], 4, 5, 6, 7,
+                                            12, 13, 14, 15);
+      }
+      if (kVecs % 2 == 1) ov[kVecs - 1] = acc[kVecs - 1];
+    } else if (kVecs > 0) {
       Vec8* ov = reinterpret_cast<Vec8*>(o);
       for (int v = 0; v < kVecs; ++v) ov[v] = acc[v];
     }
@@ -188,15 +223,15 @@ __attribute__((always_inline)) inline void SumRows(
 
 // ForwardSumRows for one table dtype.
 template <TableDtype kDtype>
-__attribute__((always_inline)) inline void SumRowsOf(const ForwardChunk* chunks, int64_t num_chunks,
-                      const void* table_data, int64_t dim, int64_t row_begin,
-                      int64_t row_end, float* out) {
+PZSC_HOST_DEVICE void SumRowsOf(const ForwardOrder& order,
+                                const void* table_data, int64_t dim,
+                                int64_t row_begin, int64_t row_end,
+                                float* out) {
   const auto* table = static_cast<const Stored<kDtype>*>(table_data);
   switch (dim % kLanes == 0 && dim <= kMaxVecs * kLanes ? dim / kLanes : 0) {
 #define PZSC_SUM_CASE(k)                                                 \
   case k:                                                                \
-    return SumRows<k, kDtype>(chunks, num_chunks, row_begin, row_end,    \
-                              table, out, dim);
+    return SumRows<k, kDtype>(order, row_begin, row_end, table, out, dim);
     PZSC_SUM_CASE(1)
     PZSC_SUM_CASE(2)
     PZSC_SUM_CASE(3)
@@ -215,55 +250,43 @@ __attribute__((always_inline)) inline void SumRowsOf(const ForwardChunk* chunks,
     PZSC_SUM_CASE(16)
 #undef PZSC_SUM_CASE
     default:
-      return SumRows<0, kDtype>(chunks, num_chunks, row_begin, row_end, table,
-                                out, dim);
+      return SumRows<0, kDtype>(order, row_begin, row_end, table, out, dim);
   }
 }
 
 // ForwardSumQuantizedRows for one table dtype.
 template <TableDtype kDtype>
-__attribute__((always_inline)) inline void SumQuantizedRowsOf(const ForwardChunk* chunks, int64_t num_chunks,
-                               const void* table_data, int64_t dim,
-                               int64_t row_begin, int64_t row_end, float* out,
-                               const Quantization& q) {
+PZSC_HOST_DEVICE void SumQuantizedRowsOf(const ForwardOrder& order,
+                                         const void* table_data, int64_t dim,
+                                         int64_t row_begin, int64_t row_end,
+                                         float* out, const Quantization& q) {
   const auto* table = static_cast<const Stored<kDtype>*>(table_data);
+  const ForwardEntry* sorted = order.sorted.data();
+  const int64_t* starts = order.starts.data();
   for (int64_t r = row_begin; r < row_end; ++r) {
     float* __restrict o = out + r * dim;
     for (int64_t i = 0; i < dim; ++i) o[i] = 0.0f;
-    for (int64_t c = 0; c < num_chunks; ++c) {
-      const ForwardEntry* sorted = chunks[c].sorted.data();
-      const int64_t* starts = chunks[c].starts.data();
-      for (int64_t j = starts[r], end = starts[r + 1]; j < end; ++j) {
-        const float g = sorted[j].gain;
-        const Stored<kDtype>* __restrict x = table + sorted[j].table_offset;
-        for (int64_t i = 0; i < dim; ++i) {
-          o[i] += g * Quantize(q, Widen<kDtype>(x[i]));
-        }
+    for (int64_t j = starts[r], end = starts[r + 1]; j < end; ++j) {
+      const float g = sorted[j].gain;
+      const Stored<kDtype>* __restrict x = table + sorted[j].row * dim;
+      for (int64_t i = 0; i < dim; ++i) {
+        o[i] += g * Quantize(q, Widen<kDtype>(x[i]));
       }
     }
   }
 }
 
-}  // namespace
-
-PZSC_MULTIVERSION
-void ForwardSortChunk(const CooView& view, const std::vector<Slice>& slices,
-                      int64_t begin, int64_t end, ForwardChunk* chunk) {
-  const int64_t dim = view.dim;
+// Calls fn(j, out_row, table_row) for every valid entry j among entries
+// [begin, end) of the slices concatenated in order, in that order.
+template <typename Fn>
+PZSC_HOST_DEVICE void ForEachValidEntry(const CooView& view,
+                                        const std::vector<Slice>& slices,
+                                        int64_t begin, int64_t end,
+                                        const Fn& fn) {
   const int64_t spp = view.attrs.samples_per_segment;
   const int64_t rpp = view.attrs.rows_per_partition;
-  const int64_t num_out = view.num_outputs();
   const int32_t* __restrict ids = view.ids;
   const int32_t* __restrict sids = view.sample_ids;
-  const float* __restrict gains = view.gains;
-  // 1. Branch-free compaction (every entry is written, kept ones advance n)
-  // and a count of each row's entries at starts[row + 2] (skipped entries
-  // count at starts[0], reset afterwards).
-  chunk->entries.resize(end - begin);
-  ForwardEntry* __restrict entries = chunk->entries.data();
-  chunk->starts.assign(num_out + 2, 0);
-  int64_t* __restrict starts = chunk->starts.data();
-  int64_t n = 0;
   int64_t at = 0;  // Offset of slice s in the concatenation.
   for (const Slice& s : slices) {
     const int64_t lo = s.begin + std::max<int64_t>(begin - at, 0);
@@ -274,62 +297,88 @@ void ForwardSortChunk(const CooView& view, const std::vector<Slice>& slices,
     for (int64_t j = lo; j < hi; ++j) {
       const int32_t id = ids[j];
       const int32_t sid = sids[j];
-      const bool keep = id != kPadId && static_cast<uint32_t>(id) < rpp &&
-                        static_cast<uint32_t>(sid) < spp;
-      // Offsets of skipped entries are never formed (they could overflow).
-      const int64_t r = keep ? out_base + sid : 0;
-      entries[n] = {keep ? (row_base + id) * dim : 0, gains[j],
-                    static_cast<int32_t>(r)};
-      n += keep;
-      ++starts[keep ? r + 2 : 0];
+      // Padding sits at the end of each slice: the branch predicts well.
+      if (id != kPadId && static_cast<uint32_t>(id) < rpp &&
+          static_cast<uint32_t>(sid) < spp) {
+        fn(j, out_base + sid, row_base + id);
+      }
     }
   }
-  starts[0] = 0;
-  // 2. Stable counting sort by output row: after it, row r's entries are
-  // sorted[starts[r], starts[r + 1]), in compaction (= buffer) order.
-  for (int64_t r = 0; r < num_out; ++r) starts[r + 2] += starts[r + 1];
-  chunk->sorted.resize(n);
-  ForwardEntry* __restrict sorted = chunk->sorted.data();
-  for (int64_t j = 0; j < n; ++j) {
-    sorted[starts[entries[j].out_row + 1]++] = entries[j];
+}
+
+}  // namespace
+
+int64_t ForwardOrder::Place(int64_t num_chunks, int64_t num_outputs) {
+  starts.resize(num_outputs + 1);
+  int64_t at = 0;
+  for (int64_t r = 0; r < num_outputs; ++r) {
+    starts[r] = at;
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const int64_t n = counts[c * num_outputs + r];
+      counts[c * num_outputs + r] = at;
+      at += n;
+    }
   }
-  chunk->starts.pop_back();
+  starts[num_outputs] = at;
+  sorted.resize(at);
+  return at;
 }
 
 PZSC_MULTIVERSION
-void ForwardSumRows(const ForwardChunk* chunks, int64_t num_chunks,
-                    const void* table, TableDtype dtype, int64_t dim,
-                    int64_t row_begin, int64_t row_end, float* out) {
+void ForwardCountChunk(const CooView& view, const std::vector<Slice>& slices,
+                       int64_t begin, int64_t end, int64_t* counts) {
+  std::fill(counts, counts + view.num_outputs(), 0);
+  ForEachValidEntry(view, slices, begin, end,
+                    [&](int64_t, int64_t out_row, int64_t) {
+                      ++counts[out_row];
+                    });
+}
+
+PZSC_MULTIVERSION
+void ForwardScatterChunk(const CooView& view, const std::vector<Slice>& slices,
+                         int64_t begin, int64_t end, int64_t* positions,
+                         ForwardEntry* sorted) {
+  const float* __restrict gains = view.gains;
+  ForEachValidEntry(view, slices, begin, end,
+                    [&](int64_t j, int64_t out_row, int64_t row) {
+                      sorted[positions[out_row]++] = {
+                          static_cast<uint32_t>(row), gains[j]};
+                    });
+}
+
+PZSC_MULTIVERSION
+void ForwardSumRows(const ForwardOrder& order, const void* table,
+                    TableDtype dtype, int64_t dim, int64_t row_begin,
+                    int64_t row_end, float* out) {
   switch (dtype) {
     case TableDtype::kBF16:
-      return SumRowsOf<TableDtype::kBF16>(chunks, num_chunks, table, dim,
-                                          row_begin, row_end, out);
+      return SumRowsOf<TableDtype::kBF16>(order, table, dim, row_begin,
+                                          row_end, out);
     case TableDtype::kF16:
-      return SumRowsOf<TableDtype::kF16>(chunks, num_chunks, table, dim,
-                                         row_begin, row_end, out);
+      return SumRowsOf<TableDtype::kF16>(order, table, dim, row_begin,
+                                         row_end, out);
     case TableDtype::kF32:
       break;
   }
-  SumRowsOf<TableDtype::kF32>(chunks, num_chunks, table, dim, row_begin,
-                              row_end, out);
+  SumRowsOf<TableDtype::kF32>(order, table, dim, row_begin, row_end, out);
 }
 
-void ForwardSumQuantizedRows(const ForwardChunk* chunks, int64_t num_chunks,
-                             const void* table, TableDtype dtype, int64_t dim,
-                             int64_t row_begin, int64_t row_end, float* out,
+void ForwardSumQuantizedRows(const ForwardOrder& order, const void* table,
+                             TableDtype dtype, int64_t dim, int64_t row_begin,
+                             int64_t row_end, float* out,
                              const Quantization& q) {
   switch (dtype) {
     case TableDtype::kBF16:
-      return SumQuantizedRowsOf<TableDtype::kBF16>(
-          chunks, num_chunks, table, dim, row_begin, row_end, out, q);
+      return SumQuantizedRowsOf<TableDtype::kBF16>(order, table, dim,
+                                                   row_begin, row_end, out, q);
     case TableDtype::kF16:
-      return SumQuantizedRowsOf<TableDtype::kF16>(
-          chunks, num_chunks, table, dim, row_begin, row_end, out, q);
+      return SumQuantizedRowsOf<TableDtype::kF16>(order, table, dim, row_begin,
+                                                  row_end, out, q);
     case TableDtype::kF32:
       break;
   }
-  SumQuantizedRowsOf<TableDtype::kF32>(chunks, num_chunks, table, dim,
-                                       row_begin, row_end, out, q);
+  SumQuantizedRowsOf<TableDtype::kF32>(order, table, dim, row_begin, row_end,
+                                       out, q);
 }
 
 PZSC_MULTIVERSION

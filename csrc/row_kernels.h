@@ -48,47 +48,63 @@ struct BackwardPlan {
   int64_t row_base;
 };
 
-// One valid entry of the forward.
+// One valid entry of the forward: its table row (partition relative to
+// partition_begin times rows_per_partition, plus the id; the handler checks
+// that the table's rows fit 32 bits) and its gain.
 struct ForwardEntry {
-  int64_t table_offset;  // Element offset of the table row.
+  uint32_t row;
   float gain;
-  int32_t out_row;  // segment * samples_per_segment + sample.
 };
 
-// One chunk of the forward's entries, sorted by output row
-// (ForwardSortChunk).
-struct ForwardChunk {
-  std::vector<ForwardEntry> entries;  // Buffer order (scratch).
-  std::vector<ForwardEntry> sorted;   // By output row, then buffer order.
-  // Output row r's entries are sorted[starts[r], starts[r + 1]).
-  std::vector<int64_t> starts;
+// The forward's valid entries in sample-major order, one array for the
+// whole call: output row r's entries are sorted[starts[r], starts[r + 1]),
+// in buffer order. Built by a parallel stable counting sort over chunks of
+// consecutive entries: ForwardCountChunk per chunk, prefix sums
+// (ForwardOrder::Place), then ForwardScatterChunk per chunk.
+struct ForwardOrder {
+  std::vector<ForwardEntry> sorted;
+  std::vector<int64_t> starts;  // num_outputs + 1
+  // Chunk c's counts of entries per output row (ForwardCountChunk), then
+  // its next position per output row: counts[c * num_outputs + r].
+  std::vector<int64_t> counts;
+
+  // Turns the counts into positions and fills `starts` (serial: num_chunks
+  // x num_outputs steps); returns the number of valid entries and sizes
+  // `sorted` for them.
+  int64_t Place(int64_t num_chunks, int64_t num_outputs);
 
   size_t bytes() const {
-    return (entries.capacity() + sorted.capacity()) * sizeof(ForwardEntry) +
-           starts.capacity() * sizeof(int64_t);
+    return sorted.capacity() * sizeof(ForwardEntry) +
+           (starts.capacity() + counts.capacity()) * sizeof(int64_t);
   }
 };
 
-// Collects the valid entries among entries [begin, end) of the slices
-// concatenated in order (a branch-free compaction, buffer order kept) and
-// stably counting-sorts them by output row into `chunk`.
-void ForwardSortChunk(const CooView& view, const std::vector<Slice>& slices,
-                      int64_t begin, int64_t end, ForwardChunk* chunk);
+// Counts the valid entries among entries [begin, end) of the slices
+// concatenated in order per output row: counts[r] (num_outputs values,
+// zeroed here).
+void ForwardCountChunk(const CooView& view, const std::vector<Slice>& slices,
+                       int64_t begin, int64_t end, int64_t* counts);
+
+// Writes the valid entries among entries [begin, end) (as counted by
+// ForwardCountChunk) to sorted[positions[r]++] for their output row r.
+void ForwardScatterChunk(const CooView& view, const std::vector<Slice>& slices,
+                         int64_t begin, int64_t end, int64_t* positions,
+                         ForwardEntry* sorted);
 
 // Writes out[r, :] for r in [row_begin, row_end): the sum of gain * table
-// row (stored as `dtype`, widened to float32) over the row's entries in
-// chunks[0], then chunks[1], ... (buffer order), starting from 0 (zeros
-// without entries). Vector registers for dim = 8k <= 128, a generic loop
-// otherwise; table rows prefetched into L2 ahead.
-void ForwardSumRows(const ForwardChunk* chunks, int64_t num_chunks,
-                    const void* table, TableDtype dtype, int64_t dim,
-                    int64_t row_begin, int64_t row_end, float* out);
+// row (stored as `dtype`, widened to float32) over the row's entries of
+// `order` (buffer order), starting from 0 (zeros without entries). Vector
+// registers for dim = 8k <= 128, a generic loop otherwise; table rows
+// prefetched into L2 ahead.
+void ForwardSumRows(const ForwardOrder& order, const void* table,
+                    TableDtype dtype, int64_t dim, int64_t row_begin,
+                    int64_t row_end, float* out);
 
 // ForwardSumRows reading each table value through Quantize(q, .) (generic
 // loop; same summation order).
-void ForwardSumQuantizedRows(const ForwardChunk* chunks, int64_t num_chunks,
-                             const void* table, TableDtype dtype, int64_t dim,
-                             int64_t row_begin, int64_t row_end, float* out,
+void ForwardSumQuantizedRows(const ForwardOrder& order, const void* table,
+                             TableDtype dtype, int64_t dim, int64_t row_begin,
+                             int64_t row_end, float* out,
                              const Quantization& q);
 
 // Whether ids[0, n) is non-decreasing (one vectorised pass, no early exit).

@@ -9,27 +9,30 @@
 // Deterministic: each output row sums its entries in buffer order (slices in
 // segment, then partition order), whatever the number of threads.
 //
-// Two parallel passes. (1) The entries (slices concatenated in order) are
-// cut into one chunk of consecutive entries per worker (fewer for small
-// batches, see kMinEntriesPerChunk); per chunk, a
-// branch-free compaction keeps the valid entries (16 bytes: table offset,
-// gain, output row) and a stable counting sort orders them by output row
-// (O(entries + rows), buffer order kept within a row). (2) The output rows
-// are cut into blocks of about kEntriesPerBlock entries, claimed dynamically
-// (a worker the OS schedules late just takes fewer): each row sums its
-// entries of chunk 0, then chunk 1, ... in vector registers, gathering the
-// table rows with an L2 prefetch 48 entries ahead, and is stored once (no
-// zero fill, no read-modify-write of the output). Each entry is read once
-// whatever the number of workers, and results are bit-identical to an
-// accumulation in buffer order into zeroed rows.
-// 1M/8M-row tables, 4096 x 32 ids, dim 64, AMD EPYC (CPU time, one thread):
-// pass 1 ~0.5-0.6 ms, pass 2 ~0.8 ms (Zipf) to 2.4 ms (uniform). Splitting
-// pass 1 by output range instead (each range rescanning all entries) cost
-// 2-3x more in pass 1 at 2+ ranges; adding into the output entry by entry
-// in buffer order (no sort, output ranges small enough for L2) cost ~30%
-// more CPU time in all than these sorted, in-register sums.
+// Three parallel passes. The entries (slices concatenated in order) are cut
+// into one chunk of consecutive entries per worker (fewer for small
+// batches, see kMinEntriesPerChunk). (1) Each chunk counts its valid
+// entries per output row; the counts become positions (chunk 0's entries
+// of a row first, then chunk 1's, ...). (2) Each chunk writes its valid
+// entries (8 bytes: table row, gain) to their positions: one sample-major
+// array for the whole call, buffer order kept within each output row (a
+// stable counting sort, O(entries + rows x chunks)). (3) The output rows are
+// cut into blocks of about kEntriesPerBlock entries, claimed dynamically (a
+// worker the OS schedules late just takes fewer): each row sums its
+// entries in vector registers, gathering the table rows with an L2
+// prefetch 48 entries ahead, and is stored once (no zero fill, no
+// read-modify-write of the output). Each entry is read once whatever the
+// number of workers, and results are bit-identical to an accumulation in
+// buffer order into zeroed rows.
+// Sorting per chunk instead (each chunk its own sample-major array, which
+// pass 3 visited chunk after chunk for every row) cost 0.5-0.8 ms for the
+// sort and ~0.4 ms more in the sums than this on 1M-row tables, 4096 x 32
+// ids, dim 64, 2 workers (AMD EPYC); adding into the output entry by entry
+// in buffer order (row-major, no sort) cost 2-3x more on Zipf ids.
 #include <algorithm>
 #include <cstdint>
+#include <limits>
+#include <string>
 #include <vector>
 
 #include "coo_layout.h"
@@ -42,10 +45,10 @@
 namespace pzsc {
 namespace {
 
-// Entries per chunk of pass 1 (at least). One chunk per worker at most:
-// pass 2 loops over the chunks for every output row.
+// Entries per chunk of passes 1 and 2 (at least). One chunk per worker at
+// most: the positions take chunks x output rows steps.
 constexpr int64_t kMinEntriesPerChunk = 16384;
-// Entries per block of pass 2 (about).
+// Entries per block of pass 3 (about).
 constexpr int64_t kEntriesPerBlock = 4096;
 // Scratch above this many bytes is released after the call.
 constexpr size_t kMaxKeptScratchBytes = size_t{64} << 20;
@@ -74,41 +77,56 @@ ffi::Error SparseDenseMatmulImpl(
   if (view.dim == 0 || num_out == 0) return ffi::Error::Success();
   AdviseHugePages(table_data, table.size_bytes());
 
+  // Entries name their table row in 32 bits.
+  if (view.num_table_partitions * view.attrs.rows_per_partition >
+      int64_t{std::numeric_limits<uint32_t>::max()} + 1) {
+    return ffi::Error::InvalidArgument(
+        "pzsc_sparse_dense_matmul: the CPU forward takes tables of at most "
+        "2^32 rows per device (got " +
+        std::to_string(view.num_table_partitions *
+                       view.attrs.rows_per_partition) +
+        ")");
+  }
+
   int64_t total = 0;
   for (const Slice& s : slices) total += s.end - s.begin;
-  // Each chunk also sums its row counts over all output rows: chunks hold
-  // at least as many entries as there are output rows.
+  // Each chunk also counts over all output rows: chunks hold at least as
+  // many entries as there are output rows.
   const int64_t num_chunks = std::clamp<int64_t>(
       total / std::max(kMinEntriesPerChunk, num_out), 1, NumWorkers(pool));
   // The calling thread's scratch, reused across calls (the workers reach it
-  // through this pointer: a thread_local named in the lambda would be
+  // through this reference: a thread_local named in the lambda would be
   // theirs).
-  thread_local std::vector<ForwardChunk> scratch;
-  scratch.resize(num_chunks);
-  ForwardChunk* chunks = scratch.data();
+  thread_local ForwardOrder scratch;
+  ForwardOrder& order = scratch;
+  order.counts.resize(num_chunks * num_out);
+  const auto chunk_begin = [&](int64_t c) { return total * c / num_chunks; };
   ParallelFor(pool, num_chunks, [&](int64_t c) {
-    ForwardSortChunk(view, slices, total * c / num_chunks,
-                     total * (c + 1) / num_chunks, &chunks[c]);
+    ForwardCountChunk(view, slices, chunk_begin(c), chunk_begin(c + 1),
+                      order.counts.data() + c * num_out);
+  });
+  const int64_t valid = order.Place(num_chunks, num_out);
+  ParallelFor(pool, num_chunks, [&](int64_t c) {
+    ForwardScatterChunk(view, slices, chunk_begin(c), chunk_begin(c + 1),
+                        order.counts.data() + c * num_out,
+                        order.sorted.data());
   });
   const int64_t rows_per_block = std::max<int64_t>(
-      1, num_out * kEntriesPerBlock / std::max<int64_t>(total, 1));
+      1, num_out * kEntriesPerBlock / std::max<int64_t>(valid, 1));
   ParallelFor(pool, (num_out + rows_per_block - 1) / rows_per_block,
               [&](int64_t b) {
                 const int64_t begin = b * rows_per_block;
                 const int64_t end = std::min(begin + rows_per_block, num_out);
                 if (quantization.num_buckets > 0) {
-                  ForwardSumQuantizedRows(chunks, num_chunks, table_data,
-                                          view.table_dtype, view.dim, begin,
-                                          end, out_data, quantization);
+                  ForwardSumQuantizedRows(order, table_data, view.table_dtype,
+                                          view.dim, begin, end, out_data,
+                                          quantization);
                 } else {
-                  ForwardSumRows(chunks, num_chunks, table_data,
-                                 view.table_dtype, view.dim, begin, end,
-                                 out_data);
+                  ForwardSumRows(order, table_data, view.table_dtype,
+                                 view.dim, begin, end, out_data);
                 }
               });
-  for (ForwardChunk& chunk : scratch) {
-    if (chunk.bytes() > kMaxKeptScratchBytes) chunk = ForwardChunk();
-  }
+  if (order.bytes() > kMaxKeptScratchBytes) order = ForwardOrder();
   return ffi::Error::Success();
 }
 

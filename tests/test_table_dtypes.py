@@ -57,7 +57,7 @@ def _forward(buf, table, impl, quantization=None):
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-@pytest.mark.parametrize("dim", [8, 19, 64])
+@pytest.mark.parametrize("dim", [8, 19, 24, 64])
 @pytest.mark.parametrize("case", ["multi", "empty_parts", "large"])
 def test_forward_of_a_16_bit_table_sums_its_widened_rows(dtype, dim, case):
   buf = make_buffers(3, **FORWARD_CASES[case])
