@@ -86,9 +86,12 @@ bench-dlrm: $(STAMP)
 	$(PY) -m pip install -q --no-deps $(TORCHREC)
 	$(PY) benchmarks/dlrm.py
 
-# Needs about 12 GiB of free memory.
+# 24M x 64 float32 rows with Adagrad (about 12 GiB of free memory), then
+# 100M x 64 bfloat16 rows with row-wise Adagrad (about 15 GiB).
 bench-large: $(STAMP)
 	$(PY) benchmarks/large_table.py
+	$(PY) benchmarks/large_table.py --rows 100000000 --dtype bfloat16 \
+	  --optimizer rowwise_adagrad
 
 # The README's picture (docs/images/shakespeare.png) from the demo's run:
 # its shard map and heat map, drawn in headless Chromium.

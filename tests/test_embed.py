@@ -356,6 +356,64 @@ def test_one_dimensional_table_with_one_id_per_sample(devices):
   np.testing.assert_array_equal(after[untouched], before[untouched, 0])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_stack_too_large_to_draw_at_once_is_drawn_in_blocks(
+  mesh, monkeypatch, dtype
+):
+  """A stack with a member over `_FILL_BLOCK_BYTES` of float32 rows per
+  shard: member `i`'s rows of shard `g` are drawn in blocks of B rows,
+  block `b` from `fold_in(fold_in(keys[g], i), b)`, the last block ending
+  at the member's last row; a 16-bit table holds the float32 draw rounded
+  to nearest."""
+  from pz_sparsecore.nn import embed as embed_module
+
+  dim, block = 8, 5
+  monkeypatch.setattr(embed_module, "_FILL_BLOCK_BYTES", block * dim * 4)
+  inits = [jax.nn.initializers.normal(0.5), jax.nn.initializers.uniform(0.2)]
+  features = {}
+  for i, (init, vocab) in enumerate(zip(inits, (93, 30), strict=True)):
+    table = specs.TableSpec(
+      name=f"t{i}",
+      vocabulary_size=vocab,
+      embedding_dim=dim,
+      initializer=init,
+      optimizer=specs.SGDOptimizerSpec(learning_rate=0.1),
+      combiner="sum",
+      dtype=dtype,
+    )
+    features[f"f{i}"] = specs.FeatureSpec(
+      name=f"f{i}",
+      table_spec=table,
+      input_shape=(BATCH, 1),
+      output_shape=(BATCH, dim),
+    )
+  embed = SparseCoreEmbed.from_config(
+    "emb", jax.random.key(7), features, mesh, num_sc_per_device=2
+  )
+  (stack,) = embed.config.plan.stacks
+  n = embed.config.topology.num_shards
+  table = embed.tables[stack.name]
+  got = np.asarray(
+    table.value.unwrap(SHARD_AXIS, ROW_AXIS, "embedding"), np.float32
+  )
+  keys = jax.random.split(
+    pz.nn.derive_param_key(jax.random.key(7), table.label), n
+  )
+  for i, (t, init) in enumerate(zip(stack.tables, inits, strict=True)):
+    rows = t.setting_in_stack.padded_vocab_size // n
+    start = t.setting_in_stack.row_offset_in_shard
+    assert rows > block  # Several blocks, the last one overlapping.
+    for g in range(n):
+      want = np.zeros((rows, dim), np.float32)
+      for b, lo in enumerate(range(0, rows, block)):
+        key = jax.random.fold_in(jax.random.fold_in(keys[g], i), b)
+        at = min(lo, rows - block)
+        drawn = np.asarray(init(key, (block, dim), jnp.float32))
+        want[at : at + block] = drawn
+      want = np.asarray(jnp.asarray(want).astype(dtype), np.float32)
+      np.testing.assert_array_equal(got[g, start : start + rows], want)
+
+
 def test_initial_rows_are_each_tables_own_draw(mesh):
   """Every member table of a stack starts as its initializer's draw of
   shape `[padded_vocab / N, D]` from key `g` of the stack's keys on shard

@@ -301,6 +301,20 @@ def test_auto_placement_follows_the_cost_model():
     135_200,
   )
   assert one.config.topology.is_replicated(stack.name)
+  # A bfloat16 table takes 2 bytes per value; its slot stays float32.
+  half = pzsc.SparseCoreEmbed.from_config(
+    "e",
+    None,
+    {
+      "f": feature.replace(
+        table_spec=table.replace(dtype=jnp.bfloat16, optimizer=optimizer)
+      )
+    },
+    _mesh(8),
+    placement="auto",
+  )
+  cost = replication.cost(half.config.plan, half.config.plan.stacks[0])
+  assert cost.replicated_bytes == 1024 * 16 * (2 + 4)
 
 
 def test_replicated_update_moves_the_predicted_bytes():

@@ -176,3 +176,68 @@ def test_checkpoint_keeps_the_dtype_and_refuses_another(tmp_path):
       np.testing.assert_array_equal(
         got[name].view(np.uint16), want[name].view(np.uint16)
       )
+
+
+def test_checkpoint_restores_across_dtypes_with_an_explicit_cast(tmp_path):
+  # A float32 model whose rows are not all representable in 16 bits.
+  model = _model(4, 2, jnp.float32)
+  rng = np.random.default_rng(7)
+  values = {
+    name: rng.normal(size=(vocab, dim)).astype(np.float32)
+    for name, (_, _, vocab, dim) in TABLES.items()
+  }
+  pzsc.set_logical_tables(model.embed, values)
+  wide = tmp_path / "wide"
+  save_checkpoint(wide, model)
+  for dtype in (jnp.bfloat16, jnp.float16):
+    target = _model(4, 2, dtype, seed=5)
+    with pytest.raises(ValueError, match=r"cast_tables=True"):
+      restore_checkpoint(wide, target)
+    with pytest.raises(ValueError, match=r"cast_tables must be True or"):
+      restore_checkpoint(wide, target, cast_tables="yes")
+    # The user's next call, with the cast, on another topology too.
+    for g, s in ((4, 2), (1, 1)):
+      restored = restore_checkpoint(
+        wide, _model(g, s, dtype, seed=5), cast_tables=True
+      )
+      got = pzsc.logical_tables(restored.embed)
+      for name in TABLES:
+        assert got[name].dtype == jnp.dtype(dtype)
+        # numpy's cast: to nearest, ties to even.
+        want = values[name].astype(jnp.dtype(dtype))
+        np.testing.assert_array_equal(
+          got[name].view(np.uint16), want.view(np.uint16)
+        )
+  # 16 bits to float32 widens exactly; slots stay float32.
+  narrow = tmp_path / "narrow"
+  trainer = _train(_model(4, 2, jnp.bfloat16), steps=1)
+  save_checkpoint(narrow, trainer.model)
+  restored = restore_checkpoint(
+    narrow, _model(1, 1, jnp.float32, seed=5), cast_tables=True
+  )
+  got = pzsc.logical_tables(restored.embed)
+  want = pzsc.logical_tables(trainer.model.embed)
+  for name in TABLES:
+    assert got[name].dtype == np.float32
+    np.testing.assert_array_equal(got[name], want[name].astype(np.float32))
+  got_slots = pzsc.logical_slots(restored.embed)
+  want_slots = pzsc.logical_slots(trainer.model.embed)
+  assert set(got_slots) == set(want_slots) == {"a", "b"}  # "c" is SGD.
+  for name, slots in want_slots.items():
+    for slot, value in slots.items():
+      assert value.dtype == np.float32
+      np.testing.assert_array_equal(got_slots[name][slot], value)
+
+
+def test_describe_and_specs_name_a_16_bit_dtype():
+  model = _model(4, 2, {"a": jnp.bfloat16, "b": jnp.bfloat16, "c": "float16"})
+  text = pzsc.viz.describe(model.embed)
+  stacks = [line for line in text.splitlines() if "stack '" in line]
+  assert len(stacks) == 3  # Three optimizers.
+  assert sum(" x 16 bfloat16, " in line for line in stacks) == 2
+  assert sum(" x 8 float16, " in line for line in stacks) == 1
+  spec = model.embed.config.plan.stack_of_table["a"].spec
+  assert "bfloat16" in pzsc.viz.describe(spec)
+  # float32, the default, is not named.
+  plain = pzsc.viz.describe(_model(4, 2, jnp.float32).embed)
+  assert "float32" not in plain and "bfloat16" not in plain

@@ -9,8 +9,9 @@ stack of its own on the layer's topology (its limits as the specs give
 them: worst case, or FDO's once applied) and replicates it when both hold:
 
 * **memory**: its rows and optimizer slots take at most `max_bytes` per
-  device (`4 * padded_vocab * (padded_dim + the slots' widths)`, a
-  "table" slot `padded_dim` wide, a row-wise one 1; default
+  device (`padded_vocab * (padded_dim * the table dtype's bytes + 4 * the
+  slots' widths)`, a "table" slot `padded_dim` wide, a row-wise one 1;
+  default
   `DEFAULT_MAX_BYTES`, 1 MiB: a copy on every device must stay small
   beside the sharded tables);
 * **traffic**: the replicated stack moves fewer predicted bytes per device
@@ -65,8 +66,9 @@ class Cost:
   Attributes:
     stack: The stack's name.
     tables: Its tables.
-    replicated_bytes: Table and slots on one device, `4 N V_shard (D +
-      the slots' widths)` (a "table" slot's width is D, a row-wise one's 1).
+    replicated_bytes: Table and slots on one device, `N V_shard (D *
+      the table dtype's bytes + 4 * the slots' widths)` (a "table" slot's
+      width is D, a row-wise one's 1).
     replicated_step: Predicted bytes per device per step, replicated.
     sharded_step: The same for the cheaper sharded exchange.
   """
@@ -95,10 +97,12 @@ def cost(plan: Plan, stack: StackPlan) -> Cost:
     for mode in (exchange_lib.ACTIVATIONS, exchange_lib.ROWS)
   )
   replicated = exchange_lib.predict_bytes(exchange_lib.REPLICATED, **sizes).step
-  # The table and each slot at its width (D for a "table" slot, 1 for a
-  # row-wise one).
-  width = stack.dim + sum(stack.optimizer.definition.slot_widths(stack.dim))
-  memory = 4 * plan.num_shards * stack.rows_per_shard * width
+  # The table in its dtype, each slot in float32 at its width (D for a
+  # "table" slot, 1 for a row-wise one).
+  row_bytes = stack.dim * stack.dtype.itemsize + 4 * sum(
+    stack.optimizer.definition.slot_widths(stack.dim)
+  )
+  memory = plan.num_shards * stack.rows_per_shard * row_bytes
   return Cost(
     stack.name,
     tuple(t.name for t in stack.tables),

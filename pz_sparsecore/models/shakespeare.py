@@ -73,6 +73,7 @@ def feature_specs(
   embedding_dim: int,
   optimizer: specs.OptimizerSpec,
   max_ids_per_partition: int = 256,
+  table_dtype: Any = "float32",
 ) -> dict[str, specs.FeatureSpec]:
   """The one feature of the model: `batch x seq` samples of one word each."""
   table = specs.TableSpec(
@@ -84,6 +85,7 @@ def feature_specs(
     combiner="sum",
     max_ids_per_partition=max_ids_per_partition,
     max_unique_ids_per_partition=max_ids_per_partition,
+    dtype=table_dtype,
   )
   return {
     FEATURE: specs.FeatureSpec(
@@ -108,11 +110,13 @@ def build_model(
   num_sc_per_device: int = 1,
   sharding_axis: str | tuple[str, ...] | None = None,
   exchange: str = "auto",
+  table_dtype: Any = "float32",
 ) -> NextWordModel:
   """Builds the model with its table sharded over `mesh`.
 
   `rng=None` gives variable slots, to be filled by `restore_checkpoint`;
-  `exchange` is `SparseCoreEmbed.from_config`'s.
+  `exchange` is `SparseCoreEmbed.from_config`'s; `table_dtype` how the
+  table's rows are stored (`TableSpec(dtype=...)`).
   """
   embed_rng, dense_rng = (None, None) if rng is None else jax.random.split(rng)
   logits_rng = None if rng is None else jax.random.fold_in(dense_rng, 1)
@@ -125,6 +129,7 @@ def build_model(
       batch_size=batch_size,
       embedding_dim=embedding_dim,
       optimizer=optimizer or OPTIMIZERS["adagrad"](),
+      table_dtype=table_dtype,
     ),
     mesh,
     sharding_axis=sharding_axis,
@@ -388,6 +393,7 @@ def run(
     hidden=config.hidden,
     optimizer=OPTIMIZERS[config.optimizer](),
     num_sc_per_device=config.sc_per_device,
+    table_dtype=config.table_dtype,
   )
   trainer = SparseCoreTrainer.build(
     jax.random.key(config.seed + 1), model, optax.adam(2e-3), loss_fn
@@ -417,7 +423,8 @@ def summary(result: RunResult) -> str:
     [
       f"trained {c.steps} steps on {c.devices} {platform} device{plural} x "
       f"{c.sc_per_device} SC "
-      f"(vocab {c.vocab}, batch {c.batch_size} x {c.seq_len}, {c.optimizer})",
+      f"(vocab {c.vocab}, batch {c.batch_size} x {c.seq_len}, {c.optimizer}, "
+      f"{c.table_dtype} table)",
       f"median step {median * 1e3:.1f} ms "
       f"({c.batch_size / median:,.0f} examples/s); first step (compile) "
       f"{result.step_times[0]:.1f} s",

@@ -14,7 +14,11 @@ import sys
 import tempfile
 from typing import Any
 
-from pz_sparsecore.models.shakespeare_config import OPTIMIZER_NAMES, RunConfig
+from pz_sparsecore.models.shakespeare_config import (
+  OPTIMIZER_NAMES,
+  TABLE_DTYPE_NAMES,
+  RunConfig,
+)
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -49,6 +53,13 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
   )
   shakespeare.add_argument(
     "--optimizer", choices=OPTIMIZER_NAMES, default=defaults.optimizer
+  )
+  shakespeare.add_argument(
+    "--table-dtype",
+    choices=TABLE_DTYPE_NAMES,
+    default=defaults.table_dtype,
+    help="how the table's rows are stored (16-bit: stochastic rounding on "
+    "update)",
   )
   shakespeare.add_argument(
     "--fdo-every",
@@ -125,6 +136,7 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     seq_len=args.seq_len,
     batch_size=args.batch_size,
     optimizer=args.optimizer,
+    table_dtype=args.table_dtype,
     fdo_every=args.fdo_every,
     seed=args.seed,
   )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 OPTIMIZER_NAMES = ("adagrad", "adam", "sgd", "ftrl", "rowwise_adagrad")
+TABLE_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +21,7 @@ class RunConfig:
   embedding_dim: int = 64
   hidden: int = 256
   optimizer: str = "adagrad"
+  table_dtype: str = "float32"
   fdo_every: int = 100
   fdo_headroom: float = 1.25
   eval_batches: int = 16

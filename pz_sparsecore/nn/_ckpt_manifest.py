@@ -334,7 +334,9 @@ def _optimizer_text(entry: Mapping[str, Any]) -> str:
   return f"{entry['optimizer']} (slots {', '.join(slots)})"
 
 
-def _check_table(name: str, stored: Any, target: Any) -> None:
+def _check_table(
+  name: str, stored: Any, target: Any, cast_tables: bool
+) -> None:
   what = f"table {name!r}"
   layouts = [
     StackLayout.from_json(entry["layout"]) for entry in (stored, target)
@@ -345,9 +347,15 @@ def _check_table(name: str, stored: Any, target: Any) -> None:
   ]
   if shapes[0] != shapes[1]:
     raise ValueError(f"{what}: checkpoint shape {shapes[0]}, model {shapes[1]}")
-  if target["dtype"] is not None and stored["dtype"] != target["dtype"]:
+  if (
+    not cast_tables
+    and target["dtype"] is not None
+    and stored["dtype"] != target["dtype"]
+  ):
     raise ValueError(
-      f"{what}: checkpoint dtype {stored['dtype']}, model {target['dtype']}"
+      f"{what}: checkpoint dtype {stored['dtype']}, model {target['dtype']} "
+      "(restore_checkpoint(..., cast_tables=True) casts the stored rows to "
+      "the model's dtype)"
     )
   texts = [_optimizer_text(entry) for entry in (stored, target)]
   if texts[0] != texts[1]:
@@ -356,14 +364,16 @@ def _check_table(name: str, stored: Any, target: Any) -> None:
     )
 
 
-def _check_embeds(stored: Mapping[str, Any], target: Mapping[str, Any]):
+def _check_embeds(
+  stored: Mapping[str, Any], target: Mapping[str, Any], cast_tables: bool
+):
   _names_match("SparseCoreEmbed", stored, target, "")
   for layer, stacks in target.items():
     have = stored_tables(stored[layer])
     want = stored_tables(stacks)
     _names_match("table", have, want, f" of SparseCoreEmbed {layer!r}")
     for name, (_, entry) in want.items():
-      _check_table(name, have[name][1], entry)
+      _check_table(name, have[name][1], entry, cast_tables)
 
 
 def _check_variables(stored: Mapping[str, Any], target: Mapping[str, Any]):
@@ -403,7 +413,11 @@ def _check_trainer(stored: Any, target: list[Any]) -> None:
     check_leaf(f"trainer state {entry['path']}", kept["leaf"], entry["leaf"])
 
 
-def check(stored: Mapping[str, Any], target: Mapping[str, Any]) -> None:
+def check(
+  stored: Mapping[str, Any],
+  target: Mapping[str, Any],
+  cast_tables: bool = False,
+) -> None:
   """Raises unless a stored manifest can be restored into the target.
 
   Layer and table names, table shapes, dtypes, optimizers and slots,
@@ -414,6 +428,7 @@ def check(stored: Mapping[str, Any], target: Mapping[str, Any]) -> None:
   Args:
     stored: The checkpoint's manifest.
     target: `describe(target).manifest`.
+    cast_tables: Whether tables may differ in dtype (they are then cast).
 
   Raises:
     ValueError: Naming the first difference.
@@ -423,7 +438,7 @@ def check(stored: Mapping[str, Any], target: Mapping[str, Any]) -> None:
       f"not a pz_sparsecore checkpoint of version {VERSION} (format "
       f"{stored.get('format')!r}, version {stored.get('version')!r})"
     )
-  _check_embeds(stored["embeds"], target["embeds"])
+  _check_embeds(stored["embeds"], target["embeds"], cast_tables)
   _check_variables(stored["variables"], target["variables"])
   if target["trainer"] is not None:
     _check_trainer(stored["trainer"], target["trainer"])

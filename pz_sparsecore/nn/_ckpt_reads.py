@@ -114,11 +114,13 @@ def _stack_args(
   entry: Mapping[str, Any],
   embed: SparseCoreEmbed,
   stack: str,
+  dtype: Any,
   direct: bool,
   slot: optimizers.Slot | None,
 ) -> ocp.ArrayRestoreArgs:
   """Reads a stored stack's table (or slot `slot`) into the layer's shards
-  (or copies, for a replicated stack), or for a relayout."""
+  (or copies, for a replicated stack), or for a relayout; the table in
+  `dtype`, the model stack's (a cast where `check` allowed one)."""
   layout = StackLayout.from_json(entry["layout"])
   if slot is not None:
     layout = layout.with_width(slot.width(layout.dim))
@@ -129,8 +131,8 @@ def _stack_args(
   return ocp.ArrayRestoreArgs(
     sharding=sharding,
     global_shape=shape,
-    # The stack's dtype is its table's; slots are float32.
-    dtype=np.dtype(entry["dtype"] if slot is None else np.float32),
+    # Slots are float32.
+    dtype=np.dtype(dtype if slot is None else np.float32),
     strict=shape == layout.shape,
   )
 
@@ -151,7 +153,7 @@ def _embed_reads(
       keys = tuple(stacks[name]["arrays"][array] for name in names)
       for name, key in zip(names, keys, strict=True):
         args[key] = _stack_args(
-          stacks[name], embed, stack.name, sources is None, slot
+          stacks[name], embed, stack.name, stack.dtype, sources is None, slot
         )
       layout, axis = target, None
       if slot is not None:

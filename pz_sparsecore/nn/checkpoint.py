@@ -280,6 +280,7 @@ def restore_checkpoint(
   *,
   max_host_bytes: int | None = None,
   limits: str = "checkpoint",
+  cast_tables: bool = False,
 ) -> Any:
   """Restores the newest checkpoint in `directory` into a model or trainer.
 
@@ -308,6 +309,13 @@ def restore_checkpoint(
   target's variables), so preprocess with them, e.g.
   `restored.model.embed.preprocess`.
 
+  Table dtypes. A table is restored in the dtype it was saved in: a
+  model whose table has another dtype (`TableSpec(dtype=...)`) is refused,
+  unless `cast_tables=True`, which casts the stored rows to the model's
+  dtype as they are read (to the nearest 16-bit value, ties to even, from
+  float32; exactly, from a 16-bit dtype to float32). Optimizer slots are
+  float32 in every dtype and restored as they are.
+
   Args:
     directory: A directory written by `save_checkpoint`.
     target: The model or `SparseCoreTrainer` to restore into.
@@ -315,6 +323,8 @@ def restore_checkpoint(
       and its devices at once; None is unlimited.
     limits: "checkpoint" (the saved limits where they hold) or "target"
       (the target's own).
+    cast_tables: Whether a table saved in another dtype than the model's is
+      cast to the model's (False: refused).
 
   Returns:
     The restored model, or the restored trainer (use the returned object:
@@ -327,6 +337,8 @@ def restore_checkpoint(
   """
   _check_options(None, max_host_bytes)
   check_mode(limits)
+  if not isinstance(cast_tables, bool):
+    raise ValueError(f"cast_tables must be True or False, got {cast_tables!r}")
   directory = os.path.abspath(os.fspath(directory))
   steps = _steps(directory)
   if not steps:
@@ -340,7 +352,7 @@ def restore_checkpoint(
   )[_MANIFEST]
   description = describe(target)
   try:
-    check(stored, description.manifest)
+    check(stored, description.manifest, cast_tables)
     model = restore_limits(
       target.model if isinstance(target, SparseCoreTrainer) else target,
       stored["embeds"],

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -378,21 +379,77 @@ def _fill_stack(
     shard = jnp.take(pool, row + shift, axis=0)[None].astype(local_table.dtype)
     return jax.lax.dynamic_update_slice_in_dim(local_table, shard, k, axis=0)
 
-  fill_shard = jax.jit(
-    jax.shard_map(
-      fill,
-      mesh=topo.mesh,
-      in_specs=(axis, axis, jax.sharding.PartitionSpec()),
-      out_specs=axis,
-      check_vma=False,
-    ),
-    donate_argnums=0,
-  )
+  def on_shards(fn, num_args):
+    return jax.jit(
+      jax.shard_map(
+        fn,
+        mesh=topo.mesh,
+        in_specs=(axis, axis) + (jax.sharding.PartitionSpec(),) * num_args,
+        out_specs=axis,
+        check_vma=False,
+      ),
+      donate_argnums=0,
+    )
+
+  if max(rows) * stack.dim * 4 > _FILL_BLOCK_BYTES:
+    return _fill_stack_by_blocks(config, stack, keys, table, rows, on_shards)
+  fill_shard = on_shards(fill, 1)
   for k in range(topo.num_sc_per_device):
     table = fill_shard(table, keys, np.int32(k))
   if topo.is_replicated(stack.name):
     # Drawn as the sharded stack is, then copied to every device: the same
     # values whichever the placement.
+    table = jax.device_put(table, topo.table_sharding(stack.name))
+  return table
+
+
+# A member table whose float32 rows in one shard exceed this many bytes is
+# drawn in blocks of this many bytes: XLA materialises a whole draw (and
+# its intermediates) before any slice of it, and a 100M-row stack's shard
+# drawn at once took several times the table's bytes.
+_FILL_BLOCK_BYTES = 256 << 20
+
+
+def _fill_stack_by_blocks(config, stack, keys, table, rows, on_shards):
+  """`_fill_stack` for a stack with a member too large to draw at once.
+
+  Member `i`'s rows of shard `g` are drawn in blocks of at most
+  `_FILL_BLOCK_BYTES` of float32, block `b` (rows `[b * B, (b + 1) * B)`,
+  the last block ending at the member's last row) from
+  `fold_in(fold_in(keys[g], i), b)` with shape `[B, D]`, and written into
+  the donated table one block at a time: one block of scratch.
+  """
+  topo = config.topology
+  dim = stack.dim
+  starts = np.cumsum([0, *rows[:-1]])
+  block_rows = max(1, _FILL_BLOCK_BYTES // (4 * dim))
+
+  def fill_block(local_table, local_keys, k, lo, *, member, block):
+    key = jax.random.fold_in(
+      jax.random.fold_in(local_keys[k], member), lo // block
+    )
+    values = _call_initializer(
+      stack.tables[member].initializer, key, (block, dim)
+    )
+    # The last block is written at the member's end (it may overlap the
+    # one before: its rows then take this block's values).
+    at = starts[member] + jnp.minimum(lo, rows[member] - block)
+    return jax.lax.dynamic_update_slice(
+      local_table, values[None].astype(local_table.dtype), (k, at, 0)
+    )
+
+  # One program per member (a stack this large rarely has many).
+  for member, count in enumerate(rows):
+    block = min(count, block_rows)
+    if block == 0:
+      continue
+    program = on_shards(
+      functools.partial(fill_block, member=member, block=block), 2
+    )
+    for k in range(topo.num_sc_per_device):
+      for lo in range(0, count, block):
+        table = program(table, keys, np.int32(k), np.int32(lo))
+  if topo.is_replicated(stack.name):
     table = jax.device_put(table, topo.table_sharding(stack.name))
   return table
 

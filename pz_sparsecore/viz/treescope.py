@@ -144,9 +144,11 @@ def lookup_summary(lookup: Any) -> str:
   config = lookup.config
   axes = ((config.vocabulary_axis, config.vocab_size), *config.embedding_axes)
   shape = " x ".join(f"{name}:{size}" for name, size in axes)
-  optimizer = config.plan.stacks[0].spec.optimizer
+  stack = config.plan.stacks[0]
+  optimizer = stack.spec.optimizer
   return (
-    f"{config.label!r}: {shape} over {config.topology.num_shards} shards, "
+    f"{config.label!r}: {shape}{dtype_text(stack.dtype)} over "
+    f"{config.topology.num_shards} shards, "
     f"{optimizer_summary(optimizer)}"
   )
 
@@ -170,12 +172,20 @@ def vocabulary_view_line(path: str | None) -> str:
   return f"vocabulary order: pzsc.viz.vocabulary_view({where})"
 
 
+def dtype_text(dtype: Any) -> str:
+  """`" bfloat16"` / `" float16"` after a width: a 16-bit table's storage
+  (float32, the default, is not named)."""
+  name = np.dtype(dtype).name
+  return "" if name == "float32" else f" {name}"
+
+
 def stack_details(plan: Plan, stack: StackPlan) -> list[str]:
   """Lines describing one stack: its spec, then one line per member table."""
   spec, n = stack.spec, plan.num_shards
   lines = [
     f"stack {stack.name!r}: {n} shards x {stack.rows_per_shard} rows x "
-    f"{stack.dim}, {optimizer_summary(spec.optimizer)}, {spec.combiner}, "
+    f"{stack.dim}{dtype_text(stack.dtype)}, "
+    f"{optimizer_summary(spec.optimizer)}, {spec.combiner}, "
     f"{spec.total_sample_count} samples, limits ids "
     f"{spec.max_ids_per_partition} / unique "
     f"{spec.max_unique_ids_per_partition}"
@@ -238,8 +248,9 @@ def spec_summary(spec: Any) -> str:
   """A short summary of a `TableSpec`, `FeatureSpec` or `StackedTableSpec`."""
   if isinstance(spec, TableSpec):
     text = (
-      f"{spec.name!r}: {spec.vocabulary_size} x {spec.embedding_dim}, "
-      f"{optimizer_summary(spec.optimizer)}, {spec.combiner}"
+      f"{spec.name!r}: {spec.vocabulary_size} x {spec.embedding_dim}"
+      f"{dtype_text(spec.dtype)}, {optimizer_summary(spec.optimizer)}, "
+      f"{spec.combiner}"
     )
     if spec.stacked_table_spec is not None:
       setting = spec.setting_in_stack
@@ -261,7 +272,8 @@ def spec_summary(spec: Any) -> str:
   if isinstance(spec, StackedTableSpec):
     return (
       f"{spec.stack_name!r}: {spec.stack_vocab_size} x "
-      f"{spec.stack_embedding_dim}, {optimizer_summary(spec.optimizer)}, "
+      f"{spec.stack_embedding_dim}{dtype_text(spec.dtype)}, "
+      f"{optimizer_summary(spec.optimizer)}, "
       f"{spec.combiner}, {spec.total_sample_count} samples, limits "
       f"{spec.max_ids_per_partition} / {spec.max_unique_ids_per_partition}"
     )
