@@ -62,6 +62,8 @@ REFRESH = 100
 # The tables' optimizer (`--table-optimizer`): FBGEMM's exact Adagrad or
 # exact row-wise Adagrad, the same rule in both libraries.
 TABLE_OPTIMIZER = "adagrad"
+# Our tables' storage (TorchRec's are float32 whatever this is).
+TABLE_DTYPE = "float32"
 
 
 def table_optimizer():
@@ -166,6 +168,7 @@ def feature_specs() -> dict:
       initializer=jax.nn.initializers.normal(0.05),
       optimizer=table_optimizer(),
       combiner="mean",
+      dtype=TABLE_DTYPE,
     )
     k = 5 if t in MULTI_HOT else 1
     features[f"c{t:02d}"] = pzsc.FeatureSpec(
@@ -436,7 +439,7 @@ def run_torchrec(train, test, warmup: int) -> dict:
 
 
 def main() -> None:
-  global REFRESH, PLACEMENT, TABLE_OPTIMIZER
+  global REFRESH, PLACEMENT, TABLE_OPTIMIZER, TABLE_DTYPE
   parser = argparse.ArgumentParser()
   parser.add_argument("--child", default=None)
   parser.add_argument("--batches", type=int, default=120)
@@ -461,7 +464,14 @@ def main() -> None:
     choices=("adagrad", "rowwise_adagrad"),
     help="both libraries' tables: exact Adagrad or exact row-wise Adagrad",
   )
+  parser.add_argument(
+    "--table-dtype",
+    default=TABLE_DTYPE,
+    choices=("float32", "bfloat16", "float16"),
+    help="ours: how the tables' rows are stored (TorchRec's stay float32)",
+  )
   args = parser.parse_args()
+  TABLE_DTYPE = args.table_dtype
   REFRESH = args.refresh or None
   PLACEMENT = args.placement
   TABLE_OPTIMIZER = args.table_optimizer
@@ -493,6 +503,8 @@ def main() -> None:
         args.placement,
         "--table-optimizer",
         args.table_optimizer,
+        "--table-dtype",
+        args.table_dtype,
       ],
       capture_output=True,
       text=True,
@@ -506,7 +518,8 @@ def main() -> None:
   o, t = results["ours"], results["torchrec"]
   print(
     f"\n26-table DLRM, batch {BATCH}, {args.batches} training batches, "
-    f"{args.test_batches} held out, tables {args.table_optimizer}; load "
+    f"{args.test_batches} held out, tables {args.table_optimizer} (ours "
+    f"{args.table_dtype}); load "
     f"average {load:.1f}"
   )
   if "error" in o or "error" in t:

@@ -77,6 +77,29 @@ def test_stacking_fills_the_specs_in_place_and_returns_none():
   assert features[0] == _features()[0]
 
 
+def test_a_compat_table_takes_a_16_bit_dtype():
+  """`dtype` (pz_sparsecore's field) goes through compat stacking into the
+  stack; tables of different dtypes never share a stack; a bad one is
+  refused naming the table."""
+  features = _features()
+  features[0].table_spec.dtype = "bfloat16"
+  table_stacking.auto_stack_tables(features, 2, 4)
+  embedding.prepare_feature_specs_for_training(features, 2, 4)
+  a, b = features[0].table_spec, features[1].table_spec
+  assert a.stacked_table_spec.dtype == jnp.bfloat16
+  assert b.stacked_table_spec.dtype == jnp.float32
+  assert a.stacked_table_spec.stack_name != b.stacked_table_spec.stack_name
+  assert embedding_spec.table_to_pz(a).dtype == jnp.bfloat16
+  bad = _features()
+  bad[0].table_spec.dtype = "int8"
+  with pytest.raises(ValueError, match=r"table 'a': dtype must be one of"):
+    embedding.prepare_feature_specs_for_training(bad, 2, 4)
+  # The user's next call, with a dtype of the list, works.
+  bad[0].table_spec.dtype = "float16"
+  embedding.prepare_feature_specs_for_training(bad, 2, 4)
+  assert bad[0].table_spec.stacked_table_spec.dtype == jnp.float16
+
+
 def test_stacked_table_refuses_changes_except_through_update():
   features = _features()
   embedding.prepare_feature_specs_for_training(features, 1, 4)

@@ -9,6 +9,8 @@ them is derived from the module's own descriptor code.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from google.protobuf import descriptor_pool, message_factory, text_format
 
@@ -318,6 +320,33 @@ def test_one_value_for_every_table():
   assert {s.combiner for s in stacks.values()} == {"mean"}
 
 
+def test_16_bit_tables_from_a_proto():
+  """The proto has no dtype (upstream's schema): the argument gives it,
+  in any spelling, per table or for all; the layout is unchanged."""
+  specs = _stacked()
+  proto = pzsc.create_proto_from_feature_specs(specs, 2, 2)
+  arguments = _arguments(specs)
+  back = pzsc.feature_specs_from_proto(
+    proto,
+    **arguments,
+    dtype={"a": jnp.bfloat16, "b": "bfloat16", "c": np.dtype("float16")},
+  )
+  stacks = pzsc.get_stacked_table_specs(back)
+  assert {name: s.dtype.name for name, s in stacks.items()} == {
+    "a_b": "bfloat16",
+    "c": "float16",
+  }
+  assert {f.table_spec.name: f.table_spec.dtype.name for f in back} == {
+    "a": "bfloat16",
+    "b": "bfloat16",
+    "c": "float16",
+  }
+  assert pzsc.create_proto_from_feature_specs(back, 2, 2) == proto
+  # The default: float32.
+  plain = pzsc.feature_specs_from_proto(proto, **arguments)
+  assert {f.table_spec.dtype.name for f in plain} == {"float32"}
+
+
 def _find(proto, name):
   """The stack, table or feature message named `name`."""
   for stack in proto.stacked_table_specs:
@@ -415,6 +444,11 @@ def test_empty_proto():
     ),
     (dict(combiner="max"), "stack 'a_b': unknown combiner 'max'"),
     (dict(initializer=0.5), "table 'a': initializer must be callable"),
+    (
+      dict(dtype={"a": "bfloat16", "b": "float32", "c": "float32"}),
+      "stack 'a_b': .*share one dtype",
+    ),
+    (dict(dtype="int8"), r"table 'a': dtype must be one of"),
   ],
 )
 def test_bad_arguments(change, match):

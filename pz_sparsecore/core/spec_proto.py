@@ -64,6 +64,7 @@ from pz_sparsecore.core.specs import (
   StackedTableSpec,
   TableSettingInStack,
   TableSpec,
+  table_dtype,
 )
 
 PACKAGE = "third_party.py.jax_tpu_embedding.sparsecore_lib_proto"
@@ -358,6 +359,7 @@ def _table_spec(
     initializer=initializer,
     optimizer=stacked.optimizer,
     combiner=stacked.combiner,
+    dtype=stacked.dtype,
     max_ids_per_partition=(
       table.max_ids_per_partition or stacked.max_ids_per_partition
     ),
@@ -473,6 +475,7 @@ def _stack_specs(
     total_sample_count=stack.total_sample_count,
     max_ids_per_partition=stack.max_ids_per_partition,
     max_unique_ids_per_partition=stack.max_unique_ids_per_partition,
+    dtype=_stack_setting(stack, arguments["dtype"], "dtype"),
   )
   tables, features = [], []
   for table_proto in stack.table_specs:
@@ -492,6 +495,7 @@ def feature_specs_from_proto(
   initializer: Initializer | Mapping[str, Initializer],
   optimizer: OptimizerSpec | Mapping[str, OptimizerSpec],
   combiner: str | Mapping[str, str],
+  dtype: Any = "float32",
 ) -> list[FeatureSpec]:
   """Prepared `FeatureSpec`s of the layout an `EmbeddingSpecProto` describes.
 
@@ -507,6 +511,9 @@ def feature_specs_from_proto(
     initializer: The tables' initializers.
     optimizer: The tables' optimizers.
     combiner: The tables' combiners ("sum", "mean" or "sqrtn").
+    dtype: How the tables' rows are stored (`TableSpec(dtype=...)`; the
+      proto, upstream's schema, has no field for it): float32 (the
+      default), bfloat16 or float16. Tables of one stack share it.
 
   Returns:
     The feature specs in the proto's order (stacks, their tables, their
@@ -527,6 +534,10 @@ def feature_specs_from_proto(
     "initializer": _per_table(initializer, "initializer", tables),
     "optimizer": _per_table(optimizer, "optimizer", tables),
     "combiner": _per_table(combiner, "combiner", tables),
+    "dtype": {
+      name: table_dtype(f"table {name!r}", value)
+      for name, value in _per_table(dtype, "dtype", tables).items()
+    },
   }
   return [
     feature

@@ -268,6 +268,8 @@ class TableSpec:
   )
   suggested_coo_buffer_size_per_device: int | None = None
   quantization_config: QuantizationConfig | None = None
+  # pz_sparsecore's: how the rows are stored (`frozen_specs.TABLE_DTYPES`).
+  dtype: Any = "float32"
   _initialized: bool = dataclasses.field(
     init=False, default=False, compare=False
   )
@@ -399,6 +401,7 @@ def table_to_pz(
       table.suggested_coo_buffer_size_per_device
     ),
     quantization_config=table.quantization_config,
+    dtype=table.dtype,
     setting_in_stack=table.setting_in_stack,
     stacked_table_spec=_stacked_to_pz(table._stacked_table_spec),
   )
