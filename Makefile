@@ -75,6 +75,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/exchange_bytes.py
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/jit_paths.py
+	$(PY) benchmarks/table_dtypes.py
 
 # The 26-table DLRM against TorchRec (benchmarks/dlrm.py). TorchRec and the
 # modules its import needs, without their dependencies (torch and FBGEMM's
