@@ -602,8 +602,8 @@ class Report:
   """Collects the table rows of one run."""
 
   HEADER = (
-    f"{'workload':<13}{'op':<15}{'peer':<24}{'ours ms':>9}{'peer ms':>9}"
-    f"{'x ours':>8}{'GB/s':>7}  check"
+    f"{'workload':<13}{'op':<19}{'peer':<27}{'ours ms':>9}{'peer ms':>9}"
+    f"{'x ours':>8}{'GB/s':>7}{'load':>6}  check"
   )
 
   def __init__(self):
@@ -620,9 +620,12 @@ class Report:
     other[0]()
     verdict = check(ours[1](), other[1]())
     t_ours, t_peer = interleaved(ours[0], other[0])
+    # The 1-minute load average after the pair: a figure measured beside
+    # other work (load well above the 2 threads' own) is not quiet.
     self.lines[table].append(
-      f"{label:<13}{op:<15}{peer:<24}{t_ours:>9.2f}{t_peer:>9.2f}"
-      f"{t_peer / t_ours:>8.2f}{nbytes / t_ours / 1e6:>7.1f}  {verdict}"
+      f"{label:<13}{op:<19}{peer:<27}{t_ours:>9.2f}{t_peer:>9.2f}"
+      f"{t_peer / t_ours:>8.2f}{nbytes / t_ours / 1e6:>7.1f}"
+      f"{os.getloadavg()[0]:>6.2f}  {verdict}"
     )
 
   def table(self, number: int) -> str:
