@@ -189,8 +189,8 @@ PZSC_HOST_DEVICE void SumRows(const ForwardOrder& order, int64_t row_begin,
       const Stored<kDtype>* __restrict x = table + sorted[j].row * dim;
       if constexpr (kVecs > 0 && kDtype == TableDtype::kBF16) {
         // Pairs of vectors widen 16 values with two interleaves (the
-        // values land permuted: InterleavedPairs); an odd last vector as
-        // AxpyVec8.
+        // values land permuted, see AxpyBF16Pair; undone at the store); an
+        // odd last vector as AxpyVec8.
         for (int v = 0; v + 1 < kVecs; v += 2) {
           AxpyBF16Pair(g, x + kLanes * v, acc[v], acc[v + 1]);
         }

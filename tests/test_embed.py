@@ -356,22 +356,12 @@ def test_one_dimensional_table_with_one_id_per_sample(devices):
   np.testing.assert_array_equal(after[untouched], before[untouched, 0])
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_a_stack_too_large_to_draw_at_once_is_drawn_in_blocks(
-  mesh, monkeypatch, dtype
-):
-  """A stack with a member over `_FILL_BLOCK_BYTES` of float32 rows per
-  shard: member `i`'s rows of shard `g` are drawn in blocks of B rows,
-  block `b` from `fold_in(fold_in(keys[g], i), b)`, the last block ending
-  at the member's last row; a 16-bit table holds the float32 draw rounded
-  to nearest."""
-  from pz_sparsecore.nn import embed as embed_module
-
-  dim, block = 8, 5
-  monkeypatch.setattr(embed_module, "_FILL_BLOCK_BYTES", block * dim * 4)
-  inits = [jax.nn.initializers.normal(0.5), jax.nn.initializers.uniform(0.2)]
+def _one_stack_layer(mesh, inits, vocabs, dim, dtype=jnp.float32):
+  """A layer whose tables `t{i}` (initializer `inits[i]`, `vocabs[i]` rows,
+  SGD) share one stack; returns the stack, the shard count, the stack's
+  `[N, V_shard, D]` values as float32 and the stack's per-shard keys."""
   features = {}
-  for i, (init, vocab) in enumerate(zip(inits, (93, 30), strict=True)):
+  for i, (init, vocab) in enumerate(zip(inits, vocabs, strict=True)):
     table = specs.TableSpec(
       name=f"t{i}",
       vocabulary_size=vocab,
@@ -399,6 +389,24 @@ def test_a_stack_too_large_to_draw_at_once_is_drawn_in_blocks(
   keys = jax.random.split(
     pz.nn.derive_param_key(jax.random.key(7), table.label), n
   )
+  return stack, n, got, keys
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_stack_too_large_to_draw_at_once_is_drawn_in_blocks(
+  mesh, monkeypatch, dtype
+):
+  """A stack with a member over `_FILL_BLOCK_BYTES` of float32 rows per
+  shard: member `i`'s rows of shard `g` are drawn in blocks of B rows,
+  block `b` from `fold_in(fold_in(keys[g], i), b)`, the last block ending
+  at the member's last row; a 16-bit table holds the float32 draw rounded
+  to nearest."""
+  from pz_sparsecore.nn import embed as embed_module
+
+  dim, block = 8, 5
+  monkeypatch.setattr(embed_module, "_FILL_BLOCK_BYTES", block * dim * 4)
+  inits = [jax.nn.initializers.normal(0.5), jax.nn.initializers.uniform(0.2)]
+  stack, n, got, keys = _one_stack_layer(mesh, inits, (93, 30), dim, dtype)
   for i, (t, init) in enumerate(zip(stack.tables, inits, strict=True)):
     rows = t.setting_in_stack.padded_vocab_size // n
     start = t.setting_in_stack.row_offset_in_shard
@@ -427,32 +435,8 @@ def test_initial_rows_are_each_tables_own_draw(mesh):
     jax.nn.initializers.glorot_normal(),  # Depends on the shape.
     lambda key, shape, dtype=jnp.float32: jax.random.normal(key, shape) + 3,
   ]
-  features = {}
-  for i, init in enumerate(inits):
-    table = specs.TableSpec(
-      name=f"t{i}",
-      vocabulary_size=40 + 17 * i,
-      embedding_dim=8,
-      initializer=init,
-      optimizer=specs.SGDOptimizerSpec(learning_rate=0.1),
-      combiner="sum",
-    )
-    features[f"f{i}"] = specs.FeatureSpec(
-      name=f"f{i}",
-      table_spec=table,
-      input_shape=(BATCH, 1),
-      output_shape=(BATCH, 8),
-    )
-  embed = SparseCoreEmbed.from_config(
-    "emb", jax.random.key(7), features, mesh, num_sc_per_device=2
-  )
-  (stack,) = embed.config.plan.stacks
-  n = embed.config.topology.num_shards
-  table = embed.tables[stack.name]
-  got = np.asarray(table.value.unwrap(SHARD_AXIS, ROW_AXIS, "embedding"))
-  keys = jax.random.split(
-    pz.nn.derive_param_key(jax.random.key(7), table.label), n
-  )
+  vocabs = [40 + 17 * i for i in range(len(inits))]
+  stack, n, got, keys = _one_stack_layer(mesh, inits, vocabs, 8)
   for t, init in zip(stack.tables, inits, strict=True):
     setting = t.setting_in_stack
     rows = setting.padded_vocab_size // n

@@ -392,10 +392,11 @@ def _fill_stack(
     )
 
   if max(rows) * stack.dim * 4 > _FILL_BLOCK_BYTES:
-    return _fill_stack_by_blocks(config, stack, keys, table, rows, on_shards)
-  fill_shard = on_shards(fill, 1)
-  for k in range(topo.num_sc_per_device):
-    table = fill_shard(table, keys, np.int32(k))
+    table = _fill_stack_by_blocks(config, stack, keys, table, rows, on_shards)
+  else:
+    fill_shard = on_shards(fill, 1)
+    for k in range(topo.num_sc_per_device):
+      table = fill_shard(table, keys, np.int32(k))
   if topo.is_replicated(stack.name):
     # Drawn as the sharded stack is, then copied to every device: the same
     # values whichever the placement.
@@ -411,7 +412,8 @@ _FILL_BLOCK_BYTES = 256 << 20
 
 
 def _fill_stack_by_blocks(config, stack, keys, table, rows, on_shards):
-  """`_fill_stack` for a stack with a member too large to draw at once.
+  """`_fill_stack`'s fill of a stack with a member too large to draw at
+  once (`_fill_stack` then copies a replicated stack to every device).
 
   Member `i`'s rows of shard `g` are drawn in blocks of at most
   `_FILL_BLOCK_BYTES` of float32, block `b` (rows `[b * B, (b + 1) * B)`,
@@ -449,8 +451,6 @@ def _fill_stack_by_blocks(config, stack, keys, table, rows, on_shards):
     for k in range(topo.num_sc_per_device):
       for lo in range(0, count, block):
         table = program(table, keys, np.int32(k), np.int32(lo))
-  if topo.is_replicated(stack.name):
-    table = jax.device_put(table, topo.table_sharding(stack.name))
   return table
 
 
