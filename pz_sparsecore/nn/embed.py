@@ -328,7 +328,6 @@ def _fill_stack(
   table of shard `g` is drawn from `keys[g]` with shape `[V_member / N, D]`.
   """
   topo = config.topology
-  axis = jax.sharding.PartitionSpec(topo.axis)
 
   rows = [
     t.setting_in_stack.padded_vocab_size // topo.num_shards
@@ -379,22 +378,10 @@ def _fill_stack(
     shard = jnp.take(pool, row + shift, axis=0)[None].astype(local_table.dtype)
     return jax.lax.dynamic_update_slice_in_dim(local_table, shard, k, axis=0)
 
-  def on_shards(fn, num_args):
-    return jax.jit(
-      jax.shard_map(
-        fn,
-        mesh=topo.mesh,
-        in_specs=(axis, axis) + (jax.sharding.PartitionSpec(),) * num_args,
-        out_specs=axis,
-        check_vma=False,
-      ),
-      donate_argnums=0,
-    )
-
   if max(rows) * stack.dim * 4 > _FILL_BLOCK_BYTES:
-    table = _fill_stack_by_blocks(config, stack, keys, table, rows, on_shards)
+    table = _fill_stack_by_blocks(config, stack, keys, table, rows)
   else:
-    fill_shard = on_shards(fill, 1)
+    fill_shard = _on_shards(topo, fill, 1)
     for k in range(topo.num_sc_per_device):
       table = fill_shard(table, keys, np.int32(k))
   if topo.is_replicated(stack.name):
@@ -411,7 +398,23 @@ def _fill_stack(
 _FILL_BLOCK_BYTES = 256 << 20
 
 
-def _fill_stack_by_blocks(config, stack, keys, table, rows, on_shards):
+def _on_shards(topo: Any, fn: Callable, num_args: int) -> Callable:
+  """`fn(local_table, local_keys, *num_args replicated scalars)` run on
+  every device's shards, jitted, the table donated."""
+  axis = jax.sharding.PartitionSpec(topo.axis)
+  return jax.jit(
+    jax.shard_map(
+      fn,
+      mesh=topo.mesh,
+      in_specs=(axis, axis) + (jax.sharding.PartitionSpec(),) * num_args,
+      out_specs=axis,
+      check_vma=False,
+    ),
+    donate_argnums=0,
+  )
+
+
+def _fill_stack_by_blocks(config, stack, keys, table, rows):
   """`_fill_stack`'s fill of a stack with a member too large to draw at
   once (`_fill_stack` then copies a replicated stack to every device).
 
@@ -445,8 +448,8 @@ def _fill_stack_by_blocks(config, stack, keys, table, rows, on_shards):
     block = min(count, block_rows)
     if block == 0:
       continue
-    program = on_shards(
-      functools.partial(fill_block, member=member, block=block), 2
+    program = _on_shards(
+      topo, functools.partial(fill_block, member=member, block=block), 2
     )
     for k in range(topo.num_sc_per_device):
       for lo in range(0, count, block):
