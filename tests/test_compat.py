@@ -100,6 +100,31 @@ def test_a_compat_table_takes_a_16_bit_dtype():
   assert bad[0].table_spec.stacked_table_spec.dtype == jnp.float16
 
 
+def test_a_compat_table_takes_an_activation_dtype():
+  """`activation_dtype` (pz_sparsecore's field) reaches the frozen spec the
+  layer reads; tables of different activation dtypes share a stack; a bad
+  one is refused naming the table, then a good one works."""
+  features = _features()
+  features[1].table_spec.activation_dtype = "bfloat16"
+  table_stacking.auto_stack_tables(features, 2, 4)
+  embedding.prepare_feature_specs_for_training(features, 2, 4)
+  a, b = features[0].table_spec, features[1].table_spec
+  assert a.stacked_table_spec.stack_name == b.stacked_table_spec.stack_name
+  assert embedding_spec.table_to_pz(b).activation_dtype == jnp.bfloat16
+  assert embedding_spec.table_to_pz(a).activation_dtype == jnp.float32
+  bad = _features()
+  bad[0].table_spec.activation_dtype = "int8"
+  with pytest.raises(
+    ValueError, match=r"table 'a': activation_dtype must be one of"
+  ):
+    embedding.prepare_feature_specs_for_training(bad, 2, 4)
+  bad[0].table_spec.activation_dtype = "float16"
+  embedding.prepare_feature_specs_for_training(bad, 2, 4)
+  assert embedding_spec.table_to_pz(bad[0].table_spec).activation_dtype == (
+    jnp.float16
+  )
+
+
 def test_stacked_table_refuses_changes_except_through_update():
   features = _features()
   embedding.prepare_feature_specs_for_training(features, 1, 4)

@@ -447,3 +447,56 @@ def test_from_config_mirrors_embedding_table(mesh):
     pzsc.SparseCoreLookup.from_config(
       "t", None, 10, {}, mesh, pzsc.SGDOptimizerSpec(learning_rate=0.1)
     )
+
+
+def test_a_16_bit_lookup_keeps_its_dtype(mesh):
+  """A bfloat16 `EmbeddingLookup` converts to a bfloat16 table (its values
+  exactly) with bfloat16 activations, as Penzai's lookup returns; dtypes
+  given to `from_lookup` or `from_config` are used."""
+  table = pz.nn.EmbeddingTable.from_config(
+    "emb", jax.random.key(4), 77, {"embedding": 8}, dtype=jnp.bfloat16
+  )
+  dense = pz.nn.EmbeddingLookup(table)
+  sgd = pzsc.SGDOptimizerSpec(learning_rate=0.1)
+  lookup = pzsc.SparseCoreLookup.from_lookup(dense, mesh=mesh, optimizer=sgd)
+  stack = lookup.config.plan.stacks[0].name
+  assert lookup.tables[stack].value.dtype == jnp.bfloat16
+  rng = np.random.default_rng(5)
+  # Ids 0 and 76: the first and last rows (shard boundaries).
+  raw = np.concatenate([[0, 76, 76], rng.integers(0, 77, 29)])
+  ids = pz.nx.wrap(jnp.asarray(raw.reshape(4, 8))).tag("a", "b")
+  got, want = lookup(ids), dense(ids)
+  assert want.dtype == got.dtype == jnp.bfloat16
+  order = ("a", "b", "embedding")
+  np.testing.assert_array_equal(
+    np.asarray(got.unwrap(*order), np.float32),
+    np.asarray(want.unwrap(*order), np.float32),
+  )
+  wide = pzsc.SparseCoreLookup.from_lookup(
+    dense, mesh=mesh, optimizer=sgd, activation_dtype=jnp.float32
+  )
+  assert wide.tables[stack].value.dtype == jnp.bfloat16
+  assert wide(ids).dtype == jnp.float32
+  np.testing.assert_array_equal(
+    wide(ids).unwrap(*order), np.asarray(want.unwrap(*order), np.float32)
+  )
+  # A float32 table stored in float16 on request: rounded to nearest.
+  f32 = pz.nn.EmbeddingLookup(
+    pz.nn.EmbeddingTable.from_config("f", jax.random.key(6), 77, {"e": 8})
+  )
+  half = pzsc.SparseCoreLookup.from_lookup(
+    f32, mesh=mesh, optimizer=sgd, dtype=jnp.float16
+  )
+  assert half(ids).dtype == jnp.float16
+  np.testing.assert_array_equal(
+    half(ids).unwrap("a", "b", "e"),
+    f32(ids).unwrap("a", "b", "e").astype(jnp.float16),
+  )
+  built = pzsc.SparseCoreLookup.from_config(
+    "c", jax.random.key(7), 77, {"e": 8}, mesh, sgd, dtype="bfloat16"
+  )
+  assert built(ids).dtype == jnp.float32
+  with pytest.raises(ValueError, match=r"activation_dtype must be one of"):
+    pzsc.SparseCoreLookup.from_config(
+      "c", jax.random.key(7), 77, {"e": 8}, mesh, sgd, activation_dtype="int8"
+    )

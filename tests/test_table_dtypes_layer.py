@@ -35,19 +35,25 @@ TABLES = {
 }
 
 
-def _features(g, s, dtypes):
+def _features(g, s, dtypes, activations):
   return {
-    name: f.replace(table_spec=f.table_spec.replace(dtype=dtypes[name[2:]]))
+    name: f.replace(
+      table_spec=f.table_spec.replace(
+        dtype=dtypes[name[2:]], activation_dtype=activations[name[2:]]
+      )
+    )
     for name, f in tt.feature_specs(g, s, TABLES).items()
   }
 
 
-def _model(g, s, dtype, seed=0):
+def _model(g, s, dtype, seed=0, activations=jnp.float32):
   dtypes = dtype if isinstance(dtype, dict) else dict.fromkeys(TABLES, dtype)
+  if not isinstance(activations, dict):
+    activations = dict.fromkeys(TABLES, activations)
   embed = pzsc.SparseCoreEmbed.from_config(
     "emb",
     jax.random.key(seed),
-    _features(g, s, dtypes),
+    _features(g, s, dtypes, activations),
     tt.mesh_of(g),
     num_sc_per_device=s,
   )
@@ -62,7 +68,10 @@ def _model(g, s, dtype, seed=0):
   )
 
 
-def _train(model, steps=3):
+def _train(model, steps=3, grad_dtypes=None):
+  """`steps` steps of `tt.loss_fn` (given activation gradients; with
+  `grad_dtypes`, feature -> dtype, each rounded to nearest in that dtype
+  and widened back first)."""
   trainer = SparseCoreTrainer.build(
     jax.random.key(1), model, optax.sgd(tt.DENSE_LR), tt.loss_fn
   )
@@ -70,6 +79,11 @@ def _train(model, steps=3):
     ids, weights = tt.make_batch(100 + step, TABLES)
     inputs, _ = trainer.model.embed.preprocess(ids, weights)
     grads = tt.act_grads(3 + step, TABLES)
+    if grad_dtypes is not None:
+      grads = {
+        k: v.astype(jnp.dtype(grad_dtypes[k])).astype(np.float32)
+        for k, v in grads.items()
+      }
     trainer.step(
       inputs=inputs, grads={k: jnp.asarray(v) for k, v in grads.items()}
     )
@@ -142,23 +156,25 @@ def test_tables_of_different_dtypes_never_share_a_stack():
   layout.stack_tables(tt.feature_specs(4, 2, same), ["a", "d"], 4, 2)
 
 
-def test_a_table_dtype_outside_the_list_is_refused():
+def _table_x(**dtypes):
+  """Table "x" (table "a"'s settings) with `dtypes` (dtype=...,
+  activation_dtype=...)."""
   opt, combiner, vocab, dim = TABLES["a"]
+  return specs.TableSpec(
+    name="x",
+    vocabulary_size=vocab,
+    embedding_dim=dim,
+    initializer=jax.nn.initializers.zeros,
+    optimizer=opt,
+    combiner=combiner,
+    **dtypes,
+  )
 
-  def spec(dtype):
-    return specs.TableSpec(
-      name="x",
-      vocabulary_size=vocab,
-      embedding_dim=dim,
-      initializer=jax.nn.initializers.zeros,
-      optimizer=opt,
-      combiner=combiner,
-      dtype=dtype,
-    )
 
+def test_a_table_dtype_outside_the_list_is_refused():
   with pytest.raises(ValueError, match=r"table 'x': dtype must be one of"):
-    spec(jnp.int8)
-  assert spec("bfloat16").dtype == jnp.bfloat16
+    _table_x(dtype=jnp.int8)
+  assert _table_x(dtype="bfloat16").dtype == jnp.bfloat16
 
 
 def test_checkpoint_keeps_the_dtype_and_refuses_another(tmp_path):
@@ -241,3 +257,53 @@ def test_describe_and_specs_name_a_16_bit_dtype():
   # float32, the default, is not named.
   plain = pzsc.viz.describe(_model(4, 2, jnp.float32).embed)
   assert "float32" not in plain and "bfloat16" not in plain
+
+
+@pytest.mark.parametrize("g,s", [(4, 2), (1, 1)])
+def test_activations_in_a_16_bit_dtype_on_request(g, s):
+  """Each feature's activations in its table's `activation_dtype` (float32
+  sums rounded to nearest); the loss's gradient then comes in that dtype,
+  and the update reads it widened: the tables equal those of a float32
+  model given the same gradients rounded to that dtype."""
+  acts = {"a": jnp.bfloat16, "b": jnp.float16, "c": jnp.float32}
+  tables = {"a": jnp.float32, "b": jnp.bfloat16, "c": jnp.float32}
+  model = _model(g, s, tables, activations=acts)
+  plain = _model(g, s, tables)
+  ids, weights = tt.make_batch(100, TABLES)
+  inputs, _ = model.embed.preprocess(ids, weights)
+  got, want = model.embed(inputs), plain.embed(inputs)
+  for name, dtype in acts.items():
+    value = got[f"f_{name}"].unwrap("batch", "embedding")
+    assert value.dtype == jnp.dtype(dtype), name
+    wide = want[f"f_{name}"].unwrap("batch", "embedding")
+    assert wide.dtype == jnp.float32
+    np.testing.assert_array_equal(
+      np.asarray(value), np.asarray(wide.astype(dtype)), err_msg=name
+    )
+  trained = _train(model).model.embed
+  grad_dtypes = {f"f_{name}": dtype for name, dtype in acts.items()}
+  reference = _train(plain, grad_dtypes=grad_dtypes).model.embed
+  for name, value in pzsc.logical_tables(trained).items():
+    want_table = pzsc.logical_tables(reference)[name]
+    assert value.dtype == want_table.dtype, name
+    np.testing.assert_array_equal(
+      np.asarray(value, np.float32),
+      np.asarray(want_table, np.float32),
+      err_msg=name,
+    )
+  for name, slots in pzsc.logical_slots(reference).items():
+    for slot, value in slots.items():
+      np.testing.assert_array_equal(
+        pzsc.logical_slots(trained)[name][slot], value, err_msg=name
+      )
+
+
+def test_an_activation_dtype_outside_the_list_is_refused():
+  with pytest.raises(
+    ValueError, match=r"table 'x': activation_dtype must be one of .*int32"
+  ):
+    _table_x(activation_dtype=jnp.int32)
+  assert _table_x().activation_dtype == jnp.float32
+  # The user's next call, with a dtype of the list (any spelling).
+  table = _table_x(dtype="bfloat16", activation_dtype="bfloat16")
+  assert table.activation_dtype == jnp.bfloat16 == table.dtype

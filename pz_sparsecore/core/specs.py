@@ -70,11 +70,11 @@ fused update writes a 16-bit row back by stochastic rounding (seeded from
 the step, so runs are reproducible); optimizer slots stay float32."""
 
 
-def table_dtype(owner: str, dtype: Any) -> Any:
+def table_dtype(owner: str, dtype: Any, field: str = "dtype") -> Any:
   """``dtype`` as a ``jnp.dtype`` if it is one of ``TABLE_DTYPES``.
 
   Raises:
-    ValueError: Naming ``owner`` and the value otherwise.
+    ValueError: Naming ``owner``, ``field`` and the value otherwise.
   """
   try:
     value = jnp.dtype(dtype)
@@ -82,7 +82,7 @@ def table_dtype(owner: str, dtype: Any) -> Any:
     value = None
   if value is None or value.name not in TABLE_DTYPES:
     raise ValueError(
-      f"{owner}: dtype must be one of {TABLE_DTYPES}, got {dtype!r}"
+      f"{owner}: {field} must be one of {TABLE_DTYPES}, got {dtype!r}"
     )
   return value
 
@@ -822,6 +822,14 @@ class TableSpec:
       optimizer step so that a run is reproducible. Its slots stay float32
       (a row-wise optimizer's: 4 bytes per row). Tables of different dtypes
       never share a stack.
+    activation_dtype: The dtype of the activations of the table's features:
+      float32 (the default; the lookup sums in float32), or bfloat16 or
+      float16, to which the float32 sums are rounded to nearest (a model
+      that computes in 16 bits takes them as they are; set it to the
+      table's `dtype` to get activations in the dtype the rows are stored
+      in). Their gradients may come in that dtype or float32; the update
+      reads them as float32. Tables of different activation dtypes may
+      share a stack.
   """
 
   name: str
@@ -837,12 +845,18 @@ class TableSpec:
   setting_in_stack: TableSettingInStack | None = None
   stacked_table_spec: StackedTableSpec | None = None
   dtype: Any = jnp.float32
+  activation_dtype: Any = jnp.float32
 
   def __post_init__(self):
     owner = f"table {self.name!r}"
     if not isinstance(self.name, str) or not self.name:
       raise ValueError(f"table name must be a non-empty string: {self.name!r}")
     object.__setattr__(self, "dtype", table_dtype(owner, self.dtype))
+    object.__setattr__(
+      self,
+      "activation_dtype",
+      table_dtype(owner, self.activation_dtype, "activation_dtype"),
+    )
     _check_positive_int(owner, "vocabulary_size", self.vocabulary_size)
     _check_positive_int(owner, "embedding_dim", self.embedding_dim)
     _check_combiner(owner, self.combiner)

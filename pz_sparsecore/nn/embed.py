@@ -784,7 +784,9 @@ class SparseCoreEmbed(pz.nn.Layer):
   def __call__(
     self, inputs: PreprocessedInput, /, **side_inputs: Any
   ) -> dict[str, pz.nx.NamedArray]:
-    """Feature name → activations `NamedArray` (sample axes + embedding).
+    """Feature name → activations `NamedArray` (sample axes + embedding),
+    in the dtype of the feature's table's `activation_dtype` (float32
+    unless set).
 
     Args:
       inputs: The buffers from `preprocess` (or built by hand in the same
@@ -807,6 +809,7 @@ class SparseCoreEmbed(pz.nn.Layer):
       config.plan.features.values(), config.feature_axes, strict=True
     ):
       value = acts[feature.name].reshape(feature.output_shape)
+      value = value.astype(feature.spec.table_spec.activation_dtype)
       names = (*axes, config.embedding_axis)
       value = jax.lax.with_sharding_constraint(
         value, config.axis_mapping.sharding(mesh, names)

@@ -56,7 +56,12 @@ from penzai import pz
 
 from pz_sparsecore.core import buffer_format, layout
 from pz_sparsecore.core import plan as plan_lib
-from pz_sparsecore.core.specs import FeatureSpec, OptimizerSpec, TableSpec
+from pz_sparsecore.core.specs import (
+  TABLE_DTYPES,
+  FeatureSpec,
+  OptimizerSpec,
+  TableSpec,
+)
 from pz_sparsecore.device import build, routing
 from pz_sparsecore.host.preprocess import (
   PreprocessedInput,
@@ -148,6 +153,7 @@ def _table_spec(
   optimizer: OptimizerSpec,
   initializer: Any,
   limit: int,
+  dtypes: tuple[Any, Any],
 ) -> TableSpec:
   return TableSpec(
     name=name,
@@ -158,6 +164,8 @@ def _table_spec(
     combiner="sum",
     max_ids_per_partition=limit,
     max_unique_ids_per_partition=limit,
+    dtype=dtypes[0],
+    activation_dtype=dtypes[1],
   )
 
 
@@ -187,6 +195,7 @@ def _plan_for(config: LookupConfig, samples: int) -> plan_lib.Plan:
       table.optimizer,
       table.initializer,
       max(limit, 1),
+      (table.dtype, table.activation_dtype),
     ),
     samples,
   )
@@ -243,6 +252,7 @@ def _make_lookup_config(
   axis_name_to_mesh_name: Mapping[str, Any] | None,
   host_input: str,
   max_ids_per_partition: int | None,
+  dtypes: tuple[Any, Any],
 ) -> LookupConfig:
   if not isinstance(optimizer, OptimizerSpec):
     raise ValueError(
@@ -271,6 +281,7 @@ def _make_lookup_config(
     optimizer,
     initializer or _default_initializer,
     1,
+    dtypes,
   )
   base = embed_lib.make_config(
     stem,
@@ -302,11 +313,11 @@ def _physical(values: jax.Array, config: LookupConfig):
   setting = stack.tables[0].setting_in_stack
   n = config.topology.num_shards
   rows = setting.padded_vocab_size // n
-  padded = jnp.zeros((setting.padded_vocab_size, stack.dim), jnp.float32)
+  padded = jnp.zeros((setting.padded_vocab_size, stack.dim), values.dtype)
   padded = padded.at[: values.shape[0], : values.shape[1]].set(values)
   sharded = padded.reshape(rows, n, stack.dim).swapaxes(0, 1)
   sharded = jnp.roll(sharded, setting.shard_rotation, axis=0)
-  out = jnp.zeros((n, stack.rows_per_shard, stack.dim), jnp.float32)
+  out = jnp.zeros((n, stack.rows_per_shard, stack.dim), values.dtype)
   out = jax.lax.dynamic_update_slice_in_dim(
     out, sharded, setting.row_offset_in_shard, axis=1
   )
@@ -360,6 +371,8 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
     axis_name_to_mesh_name: Mapping[str, Any] | None = None,
     host_input: str = "sparsecore_inputs",
     max_ids_per_partition: int | None = None,
+    dtype: Any = jnp.float32,
+    activation_dtype: Any = jnp.float32,
   ) -> SparseCoreLookup:
     """Builds the layer and its sharded variables.
 
@@ -392,6 +405,9 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
         None sizes it for the worst case of each call's shape. Smaller
         limits shrink the exchange; ids over them are looked up as zeros,
         with a `ValueError` in an eager call and a warning under `jit`.
+      dtype: How the table's rows are stored (`TableSpec.dtype`: float32,
+        bfloat16 or float16).
+      activation_dtype: The activations' dtype (`TableSpec.activation_dtype`).
 
     Returns:
       The layer.
@@ -410,6 +426,7 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
       axis_name_to_mesh_name=axis_name_to_mesh_name,
       host_input=host_input,
       max_ids_per_partition=max_ids_per_partition,
+      dtypes=(dtype, activation_dtype),
     )
     tables, slots = embed_lib.make_variables(config, init_base_rng)
     return cls(tables=tables, slots=slots, config=config)
@@ -427,6 +444,8 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
     exchange: str = "auto",
     host_input: str = "sparsecore_inputs",
     max_ids_per_partition: int | None = None,
+    dtype: Any = None,
+    activation_dtype: Any = None,
   ) -> SparseCoreLookup:
     """Converts a `pz.nn.EmbeddingLookup`, keeping its values, label and
     axis names.
@@ -441,6 +460,11 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
       exchange: As `from_config`.
       host_input: As `from_config`.
       max_ids_per_partition: As `from_config`.
+      dtype: How the rows are stored; None: the lookup's table dtype if it
+        is float32, bfloat16 or float16 (its values kept exactly), else
+        float32.
+      activation_dtype: The activations' dtype; None: the table's storage
+        dtype, as `pz.nn.EmbeddingLookup` returns its table's dtype.
 
     Returns:
       A `SparseCoreLookup` whose table holds the lookup's values, sharded.
@@ -470,6 +494,11 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
         f"vocabulary axis {vocab_axis!r} and embedding axes"
       )
     emb = {k: v for k, v in named.items() if k != vocab_axis}
+    if dtype is None:
+      known = jnp.dtype(value.dtype).name in TABLE_DTYPES
+      dtype = value.dtype if known else jnp.float32
+    if activation_dtype is None:
+      activation_dtype = dtype
     config = _make_lookup_config(
       param.label,
       named[vocab_axis],
@@ -484,13 +513,14 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
       axis_name_to_mesh_name=axis_name_to_mesh_name,
       host_input=host_input,
       max_ids_per_partition=max_ids_per_partition,
+      dtypes=(dtype, activation_dtype),
     )
     logical = value.unwrap(vocab_axis, *emb).reshape(named[vocab_axis], -1)
     tables, slots = embed_lib.make_variables(config, jax.random.key(0))
     stack = config.plan.stacks[0].name
     tables[stack].value = embed_lib.named_table(
       config,
-      _physical(logical.astype(jnp.float32), config),
+      _physical(logical.astype(config.plan.stacks[0].dtype), config),
     )
     return cls(tables=tables, slots=slots, config=config)
 
@@ -537,7 +567,8 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
         building the buffers on the device.
 
     Returns:
-      A float32 `NamedArray` with the ids' axes and the embedding axes.
+      A `NamedArray` with the ids' axes and the embedding axes, of the
+      layer's `activation_dtype`.
 
     Raises:
       ValueError: On non-integer or out-of-range (concrete) ids, positional
@@ -568,6 +599,9 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
     value = acts[config.feature][: flat.size, : config.dim]
     sizes = [size for _, size in config.embedding_axes]
     value = value.reshape(*ids.shape, *sizes)
+    value = value.astype(
+      config.plan.feature_specs[0].table_spec.activation_dtype
+    )
     return pz.nx.wrap(value).tag(*names, *(n for n, _ in config.embedding_axes))
 
   def fixed_probes(self) -> None:

@@ -270,6 +270,8 @@ class TableSpec:
   quantization_config: QuantizationConfig | None = None
   # pz_sparsecore's: how the rows are stored (`frozen_specs.TABLE_DTYPES`).
   dtype: Any = "float32"
+  # pz_sparsecore's: the activations' dtype (`frozen_specs.TableSpec`).
+  activation_dtype: Any = "float32"
   _initialized: bool = dataclasses.field(
     init=False, default=False, compare=False
   )
@@ -402,6 +404,7 @@ def table_to_pz(
     ),
     quantization_config=table.quantization_config,
     dtype=table.dtype,
+    activation_dtype=table.activation_dtype,
     setting_in_stack=table.setting_in_stack,
     stacked_table_spec=_stacked_to_pz(table._stacked_table_spec),
   )
