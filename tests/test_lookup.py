@@ -240,7 +240,7 @@ def _corpus(rng, vocab, n, seq):
 
 def test_trainer_learns_as_the_dense_model(mesh):
   rng = np.random.default_rng(5)
-  data = _corpus(rng, VOCAB, 8 * 130, 17).reshape(130, 8, 17)
+  data = _corpus(rng, VOCAB, 8 * 70, 17).reshape(70, 8, 17)
   model = ll.build_llamalike_transformer(_config(), jax.random.key(0))
   sparse = _convert(model, mesh)
   trainers = {
@@ -252,14 +252,14 @@ def test_trainer_learns_as_the_dense_model(mesh):
     ),
   }
   tokens = lambda x: pz.nx.wrap(jnp.asarray(x)).tag("batch", "seq")
-  for step in range(120):
+  for step in range(60):
     for trainer in trainers.values():
       jax.block_until_ready(trainer.step(tokens=tokens(data[step])))
   held_out = {}
   for name, trainer in trainers.items():
     losses = [
       _loss_fn(model=trainer.model, state=None, rng=None, tokens=tokens(b))[0]
-      for b in data[120:]
+      for b in data[60:]
     ]
     held_out[name] = float(np.mean(losses))
   assert held_out["sparse"] < np.log(VOCAB) - 1.0, held_out
