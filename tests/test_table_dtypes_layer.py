@@ -280,6 +280,10 @@ def test_activations_in_a_16_bit_dtype_on_request(g, s):
     np.testing.assert_array_equal(
       np.asarray(value), np.asarray(wide.astype(dtype)), err_msg=name
     )
+  # The specs' summaries name a 16-bit activation dtype.
+  feature = model.embed.config.plan.features["f_a"].spec
+  assert "output [32, 16] bfloat16;" in pzsc.viz.describe(feature)
+  assert "activations bfloat16" in pzsc.viz.describe(feature.table_spec)
   trained = _train(model).model.embed
   grad_dtypes = {f"f_{name}": dtype for name, dtype in acts.items()}
   reference = _train(plain, grad_dtypes=grad_dtypes).model.embed

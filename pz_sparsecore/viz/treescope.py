@@ -252,6 +252,8 @@ def spec_summary(spec: Any) -> str:
       f"{dtype_text(spec.dtype)}, {optimizer_summary(spec.optimizer)}, "
       f"{spec.combiner}"
     )
+    if dtype_text(spec.activation_dtype):
+      text += f", activations{dtype_text(spec.activation_dtype)}"
     if spec.stacked_table_spec is not None:
       setting = spec.setting_in_stack
       text += (
@@ -263,6 +265,7 @@ def spec_summary(spec: Any) -> str:
     text = (
       f"{spec.name!r} -> {spec.table_spec.name!r}: input "
       f"{list(spec.input_shape)}, output {list(spec.output_shape)}"
+      f"{dtype_text(spec.table_spec.activation_dtype)}"
     )
     if spec.id_transformation is not None:
       start = spec.id_transformation.row_offset
