@@ -345,6 +345,21 @@ def test_16_bit_tables_from_a_proto():
   # The default: float32.
   plain = pzsc.feature_specs_from_proto(proto, **arguments)
   assert {f.table_spec.dtype.name for f in plain} == {"float32"}
+  assert {f.table_spec.activation_dtype.name for f in plain} == {"float32"}
+  # Activation dtypes per table; tables of a stack may differ.
+  acts = pzsc.feature_specs_from_proto(
+    proto,
+    **arguments,
+    activation_dtype={"a": "bfloat16", "b": "float32", "c": jnp.float16},
+  )
+  assert {
+    f.table_spec.name: f.table_spec.activation_dtype.name for f in acts
+  } == {
+    "a": "bfloat16",
+    "b": "float32",
+    "c": "float16",
+  }
+  assert pzsc.create_proto_from_feature_specs(acts, 2, 2) == proto
 
 
 def _find(proto, name):
@@ -449,6 +464,10 @@ def test_empty_proto():
       "stack 'a_b': .*share one dtype",
     ),
     (dict(dtype="int8"), r"table 'a': dtype must be one of"),
+    (
+      dict(activation_dtype="int8"),
+      r"table 'a': activation_dtype must be one of .*'int8'",
+    ),
   ],
 )
 def test_bad_arguments(change, match):

@@ -350,7 +350,10 @@ def _stack_setting(
 
 
 def _table_spec(
-  table: Any, stacked: StackedTableSpec, initializer: Initializer
+  table: Any,
+  stacked: StackedTableSpec,
+  initializer: Initializer,
+  activation_dtype: Any,
 ) -> TableSpec:
   return TableSpec(
     name=table.table_name,
@@ -360,6 +363,7 @@ def _table_spec(
     optimizer=stacked.optimizer,
     combiner=stacked.combiner,
     dtype=stacked.dtype,
+    activation_dtype=activation_dtype,
     max_ids_per_partition=(
       table.max_ids_per_partition or stacked.max_ids_per_partition
     ),
@@ -479,8 +483,15 @@ def _stack_specs(
   )
   tables, features = [], []
   for table_proto in stack.table_specs:
-    initializer = arguments["initializer"][table_proto.table_name]
-    tables.append(_table_spec(table_proto, stacked, initializer))
+    name = table_proto.table_name
+    tables.append(
+      _table_spec(
+        table_proto,
+        stacked,
+        arguments["initializer"][name],
+        arguments["activation_dtype"][name],
+      )
+    )
     features += [
       _feature_spec(f, tables[-1]) for f in table_proto.feature_specs
     ]
@@ -496,6 +507,7 @@ def feature_specs_from_proto(
   optimizer: OptimizerSpec | Mapping[str, OptimizerSpec],
   combiner: str | Mapping[str, str],
   dtype: Any = "float32",
+  activation_dtype: Any = "float32",
 ) -> list[FeatureSpec]:
   """Prepared `FeatureSpec`s of the layout an `EmbeddingSpecProto` describes.
 
@@ -514,6 +526,9 @@ def feature_specs_from_proto(
     dtype: How the tables' rows are stored (`TableSpec(dtype=...)`; the
       proto, upstream's schema, has no field for it): float32 (the
       default), bfloat16 or float16. Tables of one stack share it.
+    activation_dtype: The dtype of the tables' activations
+      (`TableSpec(activation_dtype=...)`, not in the proto either): float32
+      (the default), bfloat16 or float16; tables of a stack may differ.
 
   Returns:
     The feature specs in the proto's order (stacks, their tables, their
@@ -537,6 +552,12 @@ def feature_specs_from_proto(
     "dtype": {
       name: table_dtype(f"table {name!r}", value)
       for name, value in _per_table(dtype, "dtype", tables).items()
+    },
+    "activation_dtype": {
+      name: table_dtype(f"table {name!r}", value, "activation_dtype")
+      for name, value in _per_table(
+        activation_dtype, "activation_dtype", tables
+      ).items()
     },
   }
   return [
