@@ -517,10 +517,9 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
     )
     logical = value.unwrap(vocab_axis, *emb).reshape(named[vocab_axis], -1)
     tables, slots = embed_lib.make_variables(config, jax.random.key(0))
-    stack = config.plan.stacks[0].name
-    tables[stack].value = embed_lib.named_table(
-      config,
-      _physical(logical.astype(config.plan.stacks[0].dtype), config),
+    stack = config.plan.stacks[0]
+    tables[stack.name].value = embed_lib.named_table(
+      config, _physical(logical.astype(stack.dtype), config)
     )
     return cls(tables=tables, slots=slots, config=config)
 

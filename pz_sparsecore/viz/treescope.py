@@ -252,8 +252,8 @@ def spec_summary(spec: Any) -> str:
       f"{dtype_text(spec.dtype)}, {optimizer_summary(spec.optimizer)}, "
       f"{spec.combiner}"
     )
-    if dtype_text(spec.activation_dtype):
-      text += f", activations{dtype_text(spec.activation_dtype)}"
+    if activations := dtype_text(spec.activation_dtype):
+      text += f", activations{activations}"
     if spec.stacked_table_spec is not None:
       setting = spec.setting_in_stack
       text += (
