@@ -11,9 +11,13 @@
 // pages (a one-time cost of about 0.3-0.5 s per GiB, seconds when memory must
 // be compacted). Contents never change; failures (old kernels, THP off, no
 // free huge pages) are ignored. PZSC_HUGE_PAGES=0 in the environment turns
-// this off. A range freed and reallocated at the same address is not
-// collapsed again; the backward therefore also advises fresh (non-aliased)
-// result buffers before copying into them, so they fault in as huge pages.
+// this off. Seen again, a collapsed range is checked with one page-table
+// lookup (PAGEMAP_SCAN, Linux >= 6.7; about a microsecond): a buffer freed
+// and allocated again at the same address (a new table after a restore, the
+// next benchmark's) has 4 KiB pages and is collapsed in turn. Before 6.7,
+// and after a failed collapse, a range is advised once. The backward also
+// advises fresh (non-aliased) result buffers before copying into them, so
+// they fault in as huge pages.
 #ifndef PZSC_CSRC_HUGE_PAGES_H_
 #define PZSC_CSRC_HUGE_PAGES_H_
 

@@ -13,7 +13,7 @@ import pytest
 from penzai import pz
 from penzai.models.transformer import sampling_mode, simple_decoding_loop
 from penzai.models.transformer.variants import llamalike_common as ll
-from penzai.toolshed import basic_training, sharding_util
+from penzai.toolshed import basic_training, jit_wrapper, sharding_util
 
 import pz_sparsecore as pzsc
 from pz_sparsecore.device import build
@@ -257,10 +257,11 @@ def test_trainer_learns_as_the_dense_model(mesh):
       jax.block_until_ready(trainer.step(tokens=tokens(data[step])))
   held_out = {}
   for name, trainer in trainers.items():
-    losses = [
-      _loss_fn(model=trainer.model, state=None, rng=None, tokens=tokens(b))[0]
-      for b in data[60:]
-    ]
+    # Compiled once per model (eagerly, each batch dispatched op by op).
+    loss = pzsc.variable_jit(
+      lambda m, t: _loss_fn(model=m, state=None, rng=None, tokens=t)[0]
+    )
+    losses = [loss(trainer.model, tokens(b)) for b in data[60:]]
     held_out[name] = float(np.mean(losses))
   assert held_out["sparse"] < np.log(VOCAB) - 1.0, held_out
   assert abs(held_out["sparse"] - held_out["dense"]) < 0.25, held_out
@@ -323,15 +324,17 @@ def test_table_gradient_error_names_the_ways_to_train(mesh):
   assert "split_tables" in str(e.value)
 
 
-def test_sampler_runs_on_the_converted_model(mesh):
-  model = ll.build_llamalike_transformer(_config(), jax.random.key(0))
-  sparse = _convert(model, mesh)
+def test_sampler_runs_on_the_converted_model(transformer):
+  model, sparse = transformer
   prompt = _tokens(np.random.default_rng(8), (2, 4))
   outputs = {}
   for name, m in (("dense", model), ("sparse", sparse)):
     decoder = sampling_mode.KVCachingTransformerLM.from_uncached(
       m, cache_len=16, batch_axes={"batch": 2}
     )
+    # As Penzai's docs sample: the body compiled (the prompt's shape, then
+    # one token's), the caches and the loop in Python.
+    decoder = pz.select(decoder).at(lambda d: d.body).apply(jit_wrapper.Jitted)
     outputs[name] = simple_decoding_loop.temperature_sample_pyloop(
       decoder, prompt, rng=jax.random.key(9), max_sampling_steps=6
     )

@@ -1,6 +1,8 @@
-"""The notebooks in `notebooks/` are stored clean and start by setting up 8
-virtual CPU devices. They are executed top to bottom by the documentation
-build (`tests/test_docs.py`), which renders their outputs on the pages.
+"""The notebooks in `notebooks/` are stored clean and start by setting up
+virtual CPU devices (8; 4 for Penzai's transformer, whose steps wait on
+every device's thread and slow down most when the cores are shared). They
+are executed top to bottom by the documentation build
+(`tests/test_docs.py`), which renders their outputs on the pages.
 """
 
 from __future__ import annotations
@@ -34,5 +36,6 @@ def test_notebook_is_stored_clean(path: pathlib.Path):
     assert not cell.get("outputs"), f"{path.name}: clear the outputs"
     assert cell.get("execution_count") is None, f"{path.name}: clear counts"
   first = code[0].source
-  assert "--xla_force_host_platform_device_count=8" in first
+  count = 4 if path.stem == "any_penzai_model" else 8
+  assert f"--xla_force_host_platform_device_count={count}" in first
   assert first.index("XLA_FLAGS") < first.index("import jax")
