@@ -14,8 +14,8 @@
 //   Element: <Name>Element(h, w, slot elements..., g), one element at a
 //     time, independent of the rest of the row; every slot is Table;
 //   Row: the update needs a reduction over the whole row first, in three
-//     parts: <Name>RowTerm(h, w, g) -> float, one element's term of the
-//     row's sum; <Name>Row(h, slot values..., sum) -> <Name>RowState,
+//     parts: <Name>RowTerm(h, col, w, g) -> float, one element's term of
+//     the row's sum (col: its column, an int); <Name>Row(h, slot values..., sum) -> <Name>RowState,
 //     which updates the row's slot values once; <Name>Element(h, state,
 //     w, g), one element from that state; every slot is Row;
 // shape0, shape1: each slot's operand shape, Table, Row or None (no such

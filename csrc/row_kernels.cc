@@ -454,6 +454,12 @@ void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
             const int64_t width = plan.slot_width[s];
             PrefetchRowForWrite(plan.slots[s] + ahead_row * width, width);
           }
+          // The activation gradient's row that entry will add (the rows of
+          // a batch, ~1 MiB, fall out of L2 between the table's misses).
+          const int32_t ahead_sid = sids[pos + kPrefetchDistance];
+          if (static_cast<uint32_t>(ahead_sid) < static_cast<uint64_t>(spp)) {
+            PrefetchRow(run_grad + ahead_sid * dim, dim);
+          }
         }
         for (; pos < end && ids[pos] == row; ++pos) {
           const int32_t sid = sids[pos];

@@ -551,7 +551,7 @@ struct RowRule;
   struct RowRule<Optimizer::k##Name> {                                     \
     using State = Name##RowState;                                          \
     static __device__ __forceinline__ float Term(                          \
-        const Hyperparameters& h, int64_t col, float w, float g) {         \
+        const Hyperparameters& h, int col, float w, float g) {             \
       return Name##RowTerm(h, col, w, g);                                  \
     }                                                                      \
     static __device__ __forceinline__ State Row(const Hyperparameters& h,  \
@@ -633,7 +633,10 @@ __device__ __forceinline__ void ApplyRowRule(const UpdateArgs& a, int64_t row,
 #pragma unroll
     for (int r = 0; r < kRegs; ++r) {
       const int64_t d = d0 + lane + kWarpSize * r;
-      if (d < dim) term += Parts::Term(h, d, LoadTable(a, row, d), acc[r]);
+      if (d < dim) {
+        term += Parts::Term(h, static_cast<int>(d), LoadTable(a, row, d),
+                            acc[r]);
+      }
     }
   }
   const float sum = WarpSum(term);
