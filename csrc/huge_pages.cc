@@ -111,24 +111,28 @@ void AdviseHugePages(const void* data, size_t bytes) {
   if (!Interior(data, bytes, &begin, &end)) return;
   static std::mutex mu;
   static std::vector<Range> seen;
+  const auto find = [&]() -> Range* {
+    for (Range& r : seen) {
+      if (r.begin == begin && r.end == end) return &r;
+    }
+    return nullptr;
+  };
+  int seen_collapsed = -1;  // -1: not seen.
   {
     std::lock_guard<std::mutex> lock(mu);
-    for (const Range& r : seen) {
-      if (r.begin != begin || r.end != end) continue;
-      // A failed collapse is not retried on every call. A collapsed range
-      // is checked (one page-table lookup where the kernel can): a buffer
-      // freed and allocated again at the same address has 4 KiB pages.
-      if (!r.collapsed || StillHuge(begin) != 0) return;
-      break;
-    }
+    if (const Range* r = find()) seen_collapsed = r->collapsed;
+  }
+  // A failed collapse is not retried on every call. A collapsed range is
+  // checked (one page-table lookup where the kernel can, outside the lock):
+  // a buffer freed and allocated again at the same address has 4 KiB pages.
+  if (seen_collapsed == 0 || (seen_collapsed == 1 && StillHuge(begin) != 0)) {
+    return;
   }
   const bool collapsed = Advise(begin, end, /*collapse=*/true);
   std::lock_guard<std::mutex> lock(mu);
-  for (Range& r : seen) {
-    if (r.begin == begin && r.end == end) {
-      r.collapsed = collapsed;
-      return;
-    }
+  if (Range* r = find()) {
+    r->collapsed = collapsed;
+    return;
   }
   if (seen.size() == kMaxRanges) seen.erase(seen.begin());
   seen.push_back({begin, end, collapsed});

@@ -15,9 +15,10 @@
 //     time, independent of the rest of the row; every slot is Table;
 //   Row: the update needs a reduction over the whole row first, in three
 //     parts: <Name>RowTerm(h, col, w, g) -> float, one element's term of
-//     the row's sum (col: its column, an int); <Name>Row(h, slot values..., sum) -> <Name>RowState,
-//     which updates the row's slot values once; <Name>Element(h, state,
-//     w, g), one element from that state; every slot is Row;
+//     the row's sum (col: its column, an int); <Name>Row(h, slot
+//     values..., sum) -> <Name>RowState, which updates the row's slot
+//     values once; <Name>Element(h, state, w, g), one element from that
+//     state; every slot is Row;
 // shape0, shape1: each slot's operand shape, Table, Row or None (no such
 //   slot; exactly num_slots of them are not None, first):
 //   Table: the table's shape [..., V, D], one value per table element;
