@@ -22,35 +22,14 @@
 #include <cstring>
 #include <type_traits>
 
-#include "optimizers.h"  // PZSC_HOST_DEVICE
+#include "optimizers.h"  // PZSC_HOST_DEVICE, FloatBits, Select
 
 namespace pzsc {
 
 enum class TableDtype : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
-PZSC_HOST_DEVICE uint32_t FloatBits(float x) {
-  uint32_t b;
-  memcpy(&b, &x, sizeof(b));
-  return b;
-}
-
-PZSC_HOST_DEVICE float BitsFloat(uint32_t b) {
-  float x;
-  memcpy(&x, &b, sizeof(x));
-  return x;
-}
-
 PZSC_HOST_DEVICE float BF16ToF32(uint16_t h) {
   return BitsFloat(static_cast<uint32_t>(h) << 16);
-}
-
-// All ones where `c`, else zero: selects by masks, so that loops over rows
-// vectorise (a select of values computed by float operations would stay a
-// branch under -ftrapping-math).
-PZSC_HOST_DEVICE uint32_t MaskIf(bool c) { return 0u - static_cast<uint32_t>(c); }
-
-PZSC_HOST_DEVICE uint32_t Select(uint32_t mask, uint32_t yes, uint32_t no) {
-  return (yes & mask) | (no & ~mask);
 }
 
 // The exponent rebiased, twice for inf and NaN; zero and subnormals (m

@@ -412,46 +412,10 @@ def test_nan_through_the_quantized_lookup_and_f2a_on_gpu():
 
 
 def test_adagrad_zero_accumulator_guard_on_gpu():
-  """Accumulators at 0 and rows whose gradient sums to 0: acc stays 0 and
-  the row is left as it was (no 0 / sqrt(0)); the others as numpy."""
-  b = make_buffers(5, num_segments=2, num_partitions=4)
-  dim = 8
-  rng = np.random.default_rng(5)
-  table = rng.normal(size=(b.num_partitions * b.rows_per_partition, dim))
-  table = table.astype(np.float32)
-  act = rng.normal(size=(b.num_segments * b.samples_per_segment, dim))
-  act = act.astype(np.float32)
-  act[::2] = 0.0  # Every even output row's gradient is 0.
-  zero = np.zeros_like(table)
-  hp = np.asarray([0.5], np.float32)
+  import test_kernels  # noqa: PLC0415
+
   with jax.default_device(GPUS[0]):
-    new_table, (new_acc,) = kernels.sparse_dense_matmul_grad(
-      jnp.asarray(act),
-      *b.args(),
-      jnp.asarray(table),
-      (jnp.asarray(zero),),
-      optimizer="adagrad",
-      hyperparameters=jnp.asarray(hp),
-      implementation="ffi",
-      **b.layout(),
-    )
-  new_table, new_acc = np.asarray(new_table), np.asarray(new_acc)
-  grads = {}
-  for k, p, r, smp, g in b.entries:
-    row = p * b.rows_per_partition + r
-    grads[row] = grads.get(row, 0.0) + g * act[k * b.samples_per_segment + smp]
-  zero_rows = [row for row, g in grads.items() if not np.any(g)]
-  assert zero_rows and len(zero_rows) < len(grads)
-  want = table.copy()
-  acc = np.zeros_like(table)
-  for row, g in grads.items():
-    acc[row] = g * g
-    nz = acc[row] > 0
-    want[row, nz] -= hp[0] * g[nz] / np.sqrt(acc[row, nz])
-  assert np.isfinite(new_table).all()
-  np.testing.assert_array_equal(new_table[zero_rows], table[zero_rows])
-  np.testing.assert_allclose(new_acc, acc, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(new_table, want, rtol=1e-5, atol=1e-5)
+    test_kernels.test_adagrad_zero_accumulator_guard("ffi")
 
 
 def test_minibatched_buffers_on_gpu():
