@@ -51,7 +51,7 @@ test-asan: $(STAMP)
 	PZSC_FFI_LIBRARY="$$(ls $(abspath $(ASAN_BUILD))/_pzsc_ffi*.so)" \
 	PZSC_RAGGED_LIBRARY="$$(ls $(abspath $(ASAN_BUILD))/_pzsc_ragged*.so)" \
 	$(PY) -m pytest -q -n 2 -p no:cacheprovider \
-		tests/test_kernel_fuzz.py tests/test_kernels.py \
+		tests/test_kernel_fuzz.py tests/test_kernels.py tests/test_sample_order.py \
 		tests/test_ragged_input.py tests/test_table_dtypes.py \
 		|| { cat $(SANITIZER_LOG).* 2>/dev/null; exit 1; }
 	@if ls $(SANITIZER_LOG).* >/dev/null 2>&1; then \

@@ -16,10 +16,12 @@ each figure is the best of its calls (the machine may be shared: other
 processes only ever add time), and ``x ours`` = peer time / our time from
 the same pair. Each pair's results are checked equal before timing.
 
-1. ``fwd``: the lookup only. Ours reads buffers sorted and deduplicated by
-   the host preprocessor (built outside the timing here, as an input
-   pipeline would hand them over; table 3 times them); torch
-   ``EmbeddingBag`` and FBGEMM's table-batched embedding take the raw ids.
+1. ``fwd``: the lookup only. Ours reads the buffers of the public
+   preprocessing (``preprocess_sparse_dense_matmul_input``, one device, one
+   SparseCore: sorted by row, duplicates merged, and the sample order the
+   CPU forward sums from), built outside the timing as an input pipeline
+   hands them over (table 3 times them); torch ``EmbeddingBag`` and
+   FBGEMM's table-batched embedding take the raw ids.
    Check: our output equals torch's on every row (``np.allclose``, rtol
    1e-5, atol 1e-5).
 2. ``step``: lookup, then a fixed activation gradient applied to the
@@ -66,7 +68,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import pz_sparsecore as pzsc
-from pz_sparsecore.core import buffer_format
 from pz_sparsecore.device import kernels
 from pz_sparsecore.device.kernels import contract, ffi
 
@@ -107,23 +108,6 @@ def make_ids(vocab: int, dist: str, rng: np.random.Generator) -> np.ndarray:
     ranks = np.searchsorted(cdf, rng.random(n) * cdf[-1])
     ids = rng.permutation(vocab)[np.minimum(ranks, vocab - 1)]
   return ids.reshape(BATCH, IDS_PER_SAMPLE).astype(np.int64)
-
-
-def build_buffers(ids: np.ndarray) -> tuple[np.ndarray, ...]:
-  """One segment, one partition: sorted (row, sample), duplicates merged."""
-  samples = np.repeat(np.arange(BATCH, dtype=np.int64), ids.shape[1])
-  key = np.unique(ids.reshape(-1) * BATCH + samples, return_counts=True)
-  keys, counts = key
-  n = keys.shape[0]
-  seg_len = buffer_format.round_up(n)
-  emb = np.full(seg_len, buffer_format.PAD_ID, np.int32)
-  sid = np.full(seg_len, buffer_format.PAD_ID, np.int32)
-  gains = np.full(seg_len, buffer_format.PAD_GAIN, np.float32)
-  emb[:n] = keys // BATCH
-  sid[:n] = keys % BATCH
-  gains[:n] = counts
-  row_pointers = np.full(buffer_format.row_pointers_per_sc(1), n, np.int32)
-  return row_pointers, emb, sid, gains
 
 
 # --- timing -----------------------------------------------------------------
@@ -184,15 +168,24 @@ def _layout(vocab: int) -> dict[str, int]:
   )
 
 
+def _our_forward(bufs, table, layout):
+  """The forward on ``bufs``: the four COO buffers, then the sample order
+  where the preprocessing wrote one."""
+  order = bufs[4] if len(bufs) > 4 else None
+  return kernels.sparse_dense_matmul(
+    *bufs[:4], table, sample_order=order, **layout
+  )
+
+
 @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnums=(2, 3))
 def _our_step(table, slots, optimizer, vocab, act_grad, bufs):
   """Forward, then the fused backward of ``act_grad`` (table donated)."""
   layout = _layout(vocab)
   hp = jnp.asarray(HYPER[optimizer], jnp.float32)
-  out = kernels.sparse_dense_matmul(*bufs, table, **layout)
+  out = _our_forward(bufs, table, layout)
   return kernels.sparse_dense_matmul_grad(
     act_grad + 0 * out[:1],
-    *bufs,
+    *bufs[:4],
     table,
     slots,
     optimizer=optimizer,
@@ -212,12 +205,10 @@ def _our_slots(optimizer: str, table: jax.Array) -> tuple[jax.Array, ...]:
 
 
 def ours_forward(table: jax.Array, bufs) -> Impl:
-  fwd = jax.jit(
-    functools.partial(kernels.sparse_dense_matmul, **_layout(table.shape[0]))
-  )
+  fwd = jax.jit(functools.partial(_our_forward, layout=_layout(table.shape[0])))
   return (
-    lambda: fwd(*bufs, table).block_until_ready(),
-    lambda: np.asarray(fwd(*bufs, table)),
+    lambda: fwd(bufs, table).block_until_ready(),
+    lambda: np.asarray(fwd(bufs, table)),
   )
 
 
@@ -256,9 +247,11 @@ def preprocess_fn(
   batch: int = BATCH,
   ids_per_sample: int = IDS_PER_SAMPLE,
   dim: int = DIM,
+  sample_order: bool = False,
 ) -> Callable[[np.ndarray], tuple]:
   """Raw ``[batch, ids_per_sample]`` ids -> the buffers of one device with
-  one SparseCore (a ``[vocab, dim]`` table), via the public API."""
+  one SparseCore (a ``[vocab, dim]`` table), via the public API; with
+  ``sample_order`` the CPU forward's sample order after them."""
   table_spec = pzsc.TableSpec(
     name="table",
     vocabulary_size=vocab,
@@ -283,7 +276,7 @@ def preprocess_fn(
     inputs, _ = pzsc.preprocess_sparse_dense_matmul_input(
       {"ids": ids}, None, specs, 1, 1, num_sc_per_device=1
     )
-    return tuple(
+    buffers = tuple(
       getattr(inputs, f)["table"]
       for f in (
         "lhs_row_pointers",
@@ -292,6 +285,9 @@ def preprocess_fn(
         "lhs_gains",
       )
     )
+    if sample_order:
+      buffers += (inputs.sample_order["table"],)
+    return buffers
 
   return preprocess
 
@@ -299,15 +295,13 @@ def preprocess_fn(
 def ours_raw(table_np, ids, act_grad, optimizer: str | None, rows) -> Impl:
   """Preprocessing + forward (+ fused backward) from raw ids."""
   vocab = table_np.shape[0]
-  preprocess = preprocess_fn(vocab)
+  preprocess = preprocess_fn(vocab, sample_order=True)
   if optimizer is None:
     table = jnp.asarray(table_np)
-    fwd = jax.jit(
-      functools.partial(kernels.sparse_dense_matmul, **_layout(vocab))
-    )
+    fwd = jax.jit(functools.partial(_our_forward, layout=_layout(vocab)))
     return (
-      lambda: fwd(*preprocess(ids), table).block_until_ready(),
-      lambda: np.asarray(fwd(*preprocess(ids), table)),
+      lambda: fwd(preprocess(ids), table).block_until_ready(),
+      lambda: np.asarray(fwd(preprocess(ids), table)),
     )
   table = jnp.asarray(table_np)
   state = [table, _our_slots(optimizer, table)]
@@ -327,6 +321,7 @@ def input_pass(bufs, table, layout) -> Callable[[jax.Array], object]:
   The pass reads only the table's shape; ``table`` is the current one (the
   backward donates its input).
   """
+  bufs = bufs[:4]
   shape = contract.check_buffers(*bufs, table, partition_begin=0, **layout)
   check = jax.jit(lambda *operands: ffi.check_coo(*operands, shape))
   if int(check(*bufs, table)) != 0:
@@ -358,7 +353,7 @@ def bench_input_pass(table_np, bufs, act_grad) -> dict[str, float]:
     state = [table, _our_slots(opt, table)]
 
     def run(state=state, opt=opt):
-      state[0], state[1] = backward(state[0], state[1], opt, act_grad, bufs)
+      state[0], state[1] = backward(state[0], state[1], opt, act_grad, bufs[:4])
       state[0].block_until_ready()
 
     res[f"bwd {opt}"], res[f"after {opt}"] = timeit_pair(
@@ -838,7 +833,9 @@ def main() -> None:
     ids = make_ids(vocab, dist, rng)
     table = rng.normal(size=(vocab, DIM)).astype(np.float32) * 0.01
     act_grad = rng.normal(size=(BATCH, DIM)).astype(np.float32)
-    bufs = tuple(jnp.asarray(b) for b in build_buffers(ids))
+    bufs = tuple(
+      jnp.asarray(b) for b in preprocess_fn(vocab, sample_order=True)(ids)
+    )
     label = f"{vocab // 1_000_000}M {dist}"
     bench_forward(report, label, table, ids, bufs, peers)
     bench_steps(report, label, table, ids, bufs, act_grad, peers)

@@ -159,19 +159,21 @@ PZSC_HOST_DEVICE void AxpyBF16Pair(float g, const uint16_t* __restrict x,
                31));
 }
 
-// out[r, :] = sum over j in [order.starts[r], order.starts[r + 1]) of
-// order.sorted[j].gain * table row (widened to float32), in j order, for r
-// in [row_begin, row_end); the dim is kVecs * kLanes when kVecs > 0, `dim`
+// out[r, :] = sum over j in [order.Start(r), order.Start(r + 1)) of
+// order.entries[j].gain * table row (widened to float32), in j order, for r
+// in [row_begin, row_end), skipping (and counting) rows at or past
+// order.row_limit; the dim is kVecs * kLanes when kVecs > 0, `dim`
 // otherwise. Same per-element arithmetic as Axpy into a zeroed row.
 template <int kVecs, TableDtype kDtype>
-PZSC_HOST_DEVICE void SumRows(const ForwardOrder& order, int64_t row_begin,
-                              int64_t row_end,
-                              const Stored<kDtype>* __restrict table,
-                              float* __restrict out, int64_t dim) {
+PZSC_HOST_DEVICE int64_t SumRows(const SampleMajor& order, int64_t row_begin,
+                                 int64_t row_end,
+                                 const Stored<kDtype>* __restrict table,
+                                 float* __restrict out, int64_t dim) {
   if (kVecs > 0) dim = kVecs * kLanes;
-  const ForwardEntry* __restrict sorted = order.sorted.data();
-  const int64_t* starts = order.starts.data();
-  const int64_t last = static_cast<int64_t>(order.sorted.size()) - 1;
+  const ForwardEntry* __restrict sorted = order.entries;
+  const int64_t last = order.num_entries - 1;
+  const int64_t row_limit = order.row_limit;
+  int64_t skipped = 0;
   for (int64_t r = row_begin; r < row_end; ++r) {
     float* __restrict o = out + r * dim;
     Vec8 acc[kVecs > 0 ? kVecs : 1];
@@ -180,11 +182,16 @@ PZSC_HOST_DEVICE void SumRows(const ForwardOrder& order, int64_t row_begin,
     } else {
       for (int64_t i = 0; i < dim; ++i) o[i] = 0.0f;
     }
-    for (int64_t j = starts[r], end = starts[r + 1]; j < end; ++j) {
+    for (int64_t j = order.Start(r), end = order.Start(r + 1); j < end; ++j) {
+      // A prefetch never faults: the row ahead is checked when it is read.
       PrefetchRowToL2(
           table + sorted[std::min(j + kForwardPrefetchDistance, last)].row *
                       dim,
           dim);
+      if (sorted[j].row >= row_limit) {
+        ++skipped;
+        continue;
+      }
       const float g = sorted[j].gain;
       const Stored<kDtype>* __restrict x = table + sorted[j].row * dim;
       if constexpr (kVecs > 0 && kDtype == TableDtype::kBF16) {
@@ -219,11 +226,12 @@ PZSC_HOST_DEVICE void SumRows(const ForwardOrder& order, int64_t row_begin,
       for (int v = 0; v < kVecs; ++v) ov[v] = acc[v];
     }
   }
+  return skipped;
 }
 
 // ForwardSumRows for one table dtype.
 template <TableDtype kDtype>
-PZSC_HOST_DEVICE void SumRowsOf(const ForwardOrder& order,
+PZSC_HOST_DEVICE int64_t SumRowsOf(const SampleMajor& order,
                                 const void* table_data, int64_t dim,
                                 int64_t row_begin, int64_t row_end,
                                 float* out) {
@@ -256,17 +264,22 @@ PZSC_HOST_DEVICE void SumRowsOf(const ForwardOrder& order,
 
 // ForwardSumQuantizedRows for one table dtype.
 template <TableDtype kDtype>
-PZSC_HOST_DEVICE void SumQuantizedRowsOf(const ForwardOrder& order,
-                                         const void* table_data, int64_t dim,
-                                         int64_t row_begin, int64_t row_end,
-                                         float* out, const Quantization& q) {
+PZSC_HOST_DEVICE int64_t SumQuantizedRowsOf(const SampleMajor& order,
+                                            const void* table_data,
+                                            int64_t dim, int64_t row_begin,
+                                            int64_t row_end, float* out,
+                                            const Quantization& q) {
   const auto* table = static_cast<const Stored<kDtype>*>(table_data);
-  const ForwardEntry* sorted = order.sorted.data();
-  const int64_t* starts = order.starts.data();
+  const ForwardEntry* sorted = order.entries;
+  int64_t skipped = 0;
   for (int64_t r = row_begin; r < row_end; ++r) {
     float* __restrict o = out + r * dim;
     for (int64_t i = 0; i < dim; ++i) o[i] = 0.0f;
-    for (int64_t j = starts[r], end = starts[r + 1]; j < end; ++j) {
+    for (int64_t j = order.Start(r), end = order.Start(r + 1); j < end; ++j) {
+      if (sorted[j].row >= order.row_limit) {
+        ++skipped;
+        continue;
+      }
       const float g = sorted[j].gain;
       const Stored<kDtype>* __restrict x = table + sorted[j].row * dim;
       for (int64_t i = 0; i < dim; ++i) {
@@ -274,6 +287,7 @@ PZSC_HOST_DEVICE void SumQuantizedRowsOf(const ForwardOrder& order,
       }
     }
   }
+  return skipped;
 }
 
 // Calls fn(j, out_row, table_row) for every valid entry j among entries
@@ -347,9 +361,9 @@ void ForwardScatterChunk(const CooView& view, const std::vector<Slice>& slices,
 }
 
 PZSC_MULTIVERSION
-void ForwardSumRows(const ForwardOrder& order, const void* table,
-                    TableDtype dtype, int64_t dim, int64_t row_begin,
-                    int64_t row_end, float* out) {
+int64_t ForwardSumRows(const SampleMajor& order, const void* table,
+                       TableDtype dtype, int64_t dim, int64_t row_begin,
+                       int64_t row_end, float* out) {
   switch (dtype) {
     case TableDtype::kBF16:
       return SumRowsOf<TableDtype::kBF16>(order, table, dim, row_begin,
@@ -360,13 +374,14 @@ void ForwardSumRows(const ForwardOrder& order, const void* table,
     case TableDtype::kF32:
       break;
   }
-  SumRowsOf<TableDtype::kF32>(order, table, dim, row_begin, row_end, out);
+  return SumRowsOf<TableDtype::kF32>(order, table, dim, row_begin, row_end,
+                                     out);
 }
 
-void ForwardSumQuantizedRows(const ForwardOrder& order, const void* table,
-                             TableDtype dtype, int64_t dim, int64_t row_begin,
-                             int64_t row_end, float* out,
-                             const Quantization& q) {
+int64_t ForwardSumQuantizedRows(const SampleMajor& order, const void* table,
+                                TableDtype dtype, int64_t dim,
+                                int64_t row_begin, int64_t row_end, float* out,
+                                const Quantization& q) {
   switch (dtype) {
     case TableDtype::kBF16:
       return SumQuantizedRowsOf<TableDtype::kBF16>(order, table, dim,
@@ -377,8 +392,8 @@ void ForwardSumQuantizedRows(const ForwardOrder& order, const void* table,
     case TableDtype::kF32:
       break;
   }
-  SumQuantizedRowsOf<TableDtype::kF32>(order, table, dim, row_begin, row_end,
-                                       out, q);
+  return SumQuantizedRowsOf<TableDtype::kF32>(order, table, dim, row_begin,
+                                              row_end, out, q);
 }
 
 PZSC_MULTIVERSION

@@ -56,6 +56,23 @@ struct ForwardEntry {
   float gain;
 };
 
+// Entries in sample-major order as the sums read them: output row r's
+// entries are entries[Start(r), Start(r + 1)), Start non-decreasing from 0
+// to at most num_entries; each entry's row is below row_limit (the sums skip
+// and count those that are not). From ForwardOrder::View(), or a caller's
+// buffer (the forward's sample_order operand: int32 starts).
+struct SampleMajor {
+  const ForwardEntry* entries;
+  int64_t num_entries;
+  const int64_t* starts64;  // Exactly one of the two is set.
+  const int32_t* starts32;
+  int64_t row_limit;
+
+  int64_t Start(int64_t r) const {
+    return starts64 != nullptr ? starts64[r] : starts32[r];
+  }
+};
+
 // The forward's valid entries in sample-major order, one array for the
 // whole call: output row r's entries are sorted[starts[r], starts[r + 1]),
 // in buffer order. Built by a parallel stable counting sort over chunks of
@@ -72,6 +89,11 @@ struct ForwardOrder {
   // x num_outputs steps); returns the number of valid entries and sizes
   // `sorted` for them.
   int64_t Place(int64_t num_chunks, int64_t num_outputs);
+
+  SampleMajor View(int64_t row_limit) const {
+    return {sorted.data(), static_cast<int64_t>(sorted.size()), starts.data(),
+            nullptr, row_limit};
+  }
 
   size_t bytes() const {
     return sorted.capacity() * sizeof(ForwardEntry) +
@@ -93,19 +115,20 @@ void ForwardScatterChunk(const CooView& view, const std::vector<Slice>& slices,
 
 // Writes out[r, :] for r in [row_begin, row_end): the sum of gain * table
 // row (stored as `dtype`, widened to float32) over the row's entries of
-// `order` (buffer order), starting from 0 (zeros without entries). Vector
+// `order` (in order), starting from 0 (zeros without entries). Vector
 // registers for dim = 8k <= 128, a generic loop otherwise; table rows
-// prefetched into L2 ahead.
-void ForwardSumRows(const ForwardOrder& order, const void* table,
-                    TableDtype dtype, int64_t dim, int64_t row_begin,
-                    int64_t row_end, float* out);
+// prefetched into L2 ahead. Returns the number of entries skipped for a row
+// at or past order.row_limit.
+int64_t ForwardSumRows(const SampleMajor& order, const void* table,
+                       TableDtype dtype, int64_t dim, int64_t row_begin,
+                       int64_t row_end, float* out);
 
 // ForwardSumRows reading each table value through Quantize(q, .) (generic
 // loop; same summation order).
-void ForwardSumQuantizedRows(const ForwardOrder& order, const void* table,
-                             TableDtype dtype, int64_t dim, int64_t row_begin,
-                             int64_t row_end, float* out,
-                             const Quantization& q);
+int64_t ForwardSumQuantizedRows(const SampleMajor& order, const void* table,
+                                TableDtype dtype, int64_t dim,
+                                int64_t row_begin, int64_t row_end, float* out,
+                                const Quantization& q);
 
 // Whether ids[0, n) is non-decreasing (one vectorised pass, no early exit).
 bool IdsSorted(const int32_t* ids, int64_t n);

@@ -1003,6 +1003,7 @@ ffi::Error ForwardCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                            ffi::AnyBuffer embedding_ids,
                            ffi::AnyBuffer sample_ids, ffi::AnyBuffer gains,
                            ffi::AnyBuffer table,
+                           ffi::AnyBuffer /*sample_order*/,
                            ffi::Result<ffi::AnyBuffer> out,
                            LayoutAttrs attrs, Quantization quantization) {
   CooView view;
@@ -1319,6 +1320,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     BindCooOperands(ffi::Ffi::Bind()
                         .Ctx<ffi::PlatformStream<cudaStream_t>>()
                         .Ctx<ffi::ScratchAllocator>())
+        // The CPU forward's sample_order: this handler sorts on the device.
+        .Arg<ffi::AnyBuffer>()
         .Ret<ffi::AnyBuffer>()  // out
         .Attr<LayoutAttrs>("layout")
         .Attr<Quantization>("quantization"));

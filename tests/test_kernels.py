@@ -708,12 +708,17 @@ def test_handler_rejects_bad_operands_without_crashing():
 
   buf, table = _error_operands()
   shape = contract.check_buffers(*buf.args(), table, **buf.layout())
+  none = jnp.zeros((0,), jnp.int32)  # no sample order
   bad = dataclasses.replace(shape, num_partitions=100)
   with pytest.raises(Exception, match="row_pointers"):
-    jax.block_until_ready(ffi.sparse_dense_matmul(*buf.args(), table, bad))
+    jax.block_until_ready(
+      ffi.sparse_dense_matmul(*buf.args(), table, none, bad)
+    )
   bad = dataclasses.replace(shape, rows_per_partition=5)
   with pytest.raises(Exception, match="rows_per_partition"):
-    jax.block_until_ready(ffi.sparse_dense_matmul(*buf.args(), table, bad))
+    jax.block_until_ready(
+      ffi.sparse_dense_matmul(*buf.args(), table, none, bad)
+    )
 
 
 # --- which implementation runs ----------------------------------------------

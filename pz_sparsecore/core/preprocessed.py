@@ -30,6 +30,11 @@ class PreprocessedInput:
     num_minibatches: None, or for minibatched buffers (`minibatching`)
       int32 `[L]` (`[L, 1]` with a leading dimension): every device's
       number of minibatches, the same on all.
+    sample_order: None, or (buffers of a one-device plan) per stack the
+      forward's sample order, int32 `[L * O_dev]` / `[L, O_dev]`: the
+      lookups grouped by output row, which the CPU forward reads instead of
+      sorting the buffers (`host.sample_order`). Not upstream's: its
+      buffers are the four above, unchanged.
   """
 
   lhs_row_pointers: dict[str, Any]
@@ -37,6 +42,7 @@ class PreprocessedInput:
   lhs_sample_ids: dict[str, Any]
   lhs_gains: dict[str, Any]
   num_minibatches: Any = None
+  sample_order: Any = None
 
   def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
     from pz_sparsecore.viz import treescope as _treescope

@@ -50,6 +50,7 @@ from pz_sparsecore.core.preprocessed import PreprocessedInput
 from pz_sparsecore.device import exchange as exchange_lib
 from pz_sparsecore.device import guard as guard_lib
 from pz_sparsecore.device import kernels, minibatching
+from pz_sparsecore.device.exchange import local
 from pz_sparsecore.device.topology import Topology, check_plan
 
 
@@ -111,7 +112,14 @@ def _local_lookup(
 ):
   s, b = topo.num_sc_per_device, stack.samples_per_sc
   mode = topo.exchange_of(stack).module
-  acts = mode.lookup(stack, topo, table, _local_buffers(stack, inputs))
+  buffers = _local_buffers(stack, inputs)
+  if inputs.sample_order is not None and mode is local:
+    # One device: the forward reads the preprocessor's sample order.
+    acts = local.lookup(
+      stack, topo, table, buffers, sample_order=inputs.sample_order[stack.name]
+    )
+  else:
+    acts = mode.lookup(stack, topo, table, buffers)
   if not unstack:
     return {stack.name: acts.reshape(s * b, stack.dim)}
   acts = acts.reshape(s, b, stack.dim)

@@ -28,7 +28,11 @@ Per work item, in phases:
    fills its alignment gap and, after the last partition, the rest of the
    segment with `PAD_ID` / `PAD_ID` / NaN.
 
-`fill_buffers` runs `_fill_item` (the three phases) for every work item in
+Between 1 and 2, for a plan of one device, `_write_sample_order` copies
+the packed entries, still in insertion order (sample-major), into the
+forward's sample order (`host.sample_order`).
+
+`fill_buffers` runs `_fill_item` (the phases) for every work item in
 parallel; numba threads the `prange` loop and the call releases the GIL.
 """
 
@@ -136,6 +140,7 @@ class Scalars(NamedTuple):
     row_pointers_per_sc: `max(N, 8)`.
     allow_id_dropping: Drop pairs over the limits.
     count_raw_ids: Write `Outputs.raw_ids`.
+    sample_order: Write `Outputs.order_rows` / `order_gains`.
   """
 
   num_local_devices: int
@@ -145,6 +150,7 @@ class Scalars(NamedTuple):
   row_pointers_per_sc: int
   allow_id_dropping: bool
   count_raw_ids: bool
+  sample_order: bool
 
 
 class Outputs(NamedTuple):
@@ -162,6 +168,20 @@ class Outputs(NamedTuple):
     overflowed: int64 `[items]`, of which for lack of room.
     raw_ids: int32, like `gains`: the raw ids merged into each entry
       (written only with `Scalars.count_raw_ids`; else empty).
+    order_rows: int32, every stack's sample order (`host.sample_order`),
+      written only with `Scalars.sample_order` (else empty): per item,
+      the start of its output row `sid` at `order_starts[w] + sid` (and
+      the device's end after its last SparseCore's rows), the pairs' rows
+      at `order_pairs[w] + 2 k`.
+    order_gains: float32, the same memory: the pairs' gains at
+      `order_pairs[w] + 2 k + 1`.
+    order_starts: int64 `[items]`, see `order_rows`.
+    order_pairs: int64 `[items]`, see `order_rows`; -1: the item does not
+      fit its device's order.
+    order_first: int64 `[items]`, the index of the item's first pair
+      among its device's pairs.
+    order_ok: bool `[items]`, whether the item's samples came in
+      non-decreasing order (its pairs then grouped by output row).
   """
 
   row_pointers: np.ndarray
@@ -174,6 +194,12 @@ class Outputs(NamedTuple):
   dropped: np.ndarray
   overflowed: np.ndarray
   raw_ids: np.ndarray
+  order_rows: np.ndarray
+  order_gains: np.ndarray
+  order_starts: np.ndarray
+  order_pairs: np.ndarray
+  order_first: np.ndarray
+  order_ok: np.ndarray
 
 
 class _Entries(NamedTuple):
@@ -293,6 +319,44 @@ def _pack_entries(batch, features, stacks, scalars, t, sc, entries):
         else:
           keys[k] = (key << 32) | sid
         k += 1
+
+
+@_phase
+def _write_sample_order(w, entries, n, weighted, samples, capacity, last, out):
+  """Copies item `w`'s `n` packed entries, in insertion order, into its
+  part of the sample order: per entry its physical row (the table row of a
+  one-device plan) and gain; per output row of its `samples` the index of
+  its first pair (with `last`, the SparseCore last on its device, also the
+  end, and zeros in the device's unused pairs of its `capacity`). Records
+  whether the samples never decreased (else the order is not used)."""
+  starts, pairs = out.order_starts[w], out.order_pairs[w]
+  first = out.order_first[w]
+  if pairs < 0:
+    return
+  row = 0  # The first output row whose start is not written yet.
+  for k in range(n):
+    v = entries.keys[k]
+    low = v & 0xFFFFFFFF
+    if weighted:
+      sid = np.int64(entries.sample[low])
+      g = entries.gain[low]
+    else:
+      sid = low
+      g = entries.sample_gain[low]
+    if sid < row - 1:
+      out.order_ok[w] = False
+      return
+    while row <= sid:
+      out.order_rows[starts + row] = first + k
+      row += 1
+    out.order_rows[pairs + 2 * k] = v >> 32
+    out.order_gains[pairs + 2 * k + 1] = g
+  while row < samples + last:
+    out.order_rows[starts + row] = first + n
+    row += 1
+  if last:  # The device's unused pairs: zeros, every value defined.
+    out.order_rows[pairs + 2 * n : pairs + 2 * (capacity - first)] = 0
+  out.order_ok[w] = True
 
 
 @_phase
@@ -448,6 +512,18 @@ def _fill_item(w, batch, features, stacks, scalars, out):
   n = batch.item_size[w]
   entries = _entries(n, stacks, t)
   _pack_entries(batch, features, stacks, scalars, t, sc, entries)
+  if scalars.sample_order:
+    last = sc % scalars.num_sc == scalars.num_sc - 1
+    _write_sample_order(
+      w,
+      entries,
+      n,
+      stacks.weighted[t],
+      stacks.samples_per_sc[t],
+      stacks.coo_per_sc[t] * scalars.num_sc,
+      last,
+      out,
+    )
   srt = _radix_sort(entries, n)
   seg = _segment(stacks, scalars, t, sc)
   _write_segment(w, srt, entries, seg, scalars, out)

@@ -32,6 +32,7 @@ from pz_sparsecore.core.preprocessed import (
   SparseDenseMatmulInputStats,
 )
 from pz_sparsecore.host import _fill_numba, coo_input, ragged_input
+from pz_sparsecore.host import sample_order as order_lib
 
 # Serialises kernel launches: numba's fallback threading layer (workqueue)
 # aborts on concurrent parallel regions, and the kernels are parallel anyway.
@@ -88,6 +89,16 @@ def fill(
   call = _Call.allocate(
     plan, num_local, allow_id_dropping, coo_per_sc, unbounded
   )
+  if call.sample_order:
+    out = call.out
+    out.order_starts[:], out.order_pairs[:], out.order_first[:] = (
+      order_lib.item_bases(
+        plan,
+        num_local,
+        item_size,
+        np.add.reduceat(rows_per_sc, first_feature[:-1]),
+      )
+    )
   args = (
     _fill_numba.Batch(
       values=batch.values,
@@ -126,6 +137,11 @@ class _Call:
   row_pointer_offset: np.ndarray
   out: _fill_numba.Outputs
 
+  @property
+  def sample_order(self) -> bool:
+    """Whether the fill writes the forward's sample order (`order_lib`)."""
+    return order_lib.applies(self.plan) and not self.unbounded
+
   @classmethod
   def allocate(
     cls,
@@ -146,6 +162,11 @@ class _Call:
     )
     items = len(plan.stacks) * num_local * plan.num_sc_per_device
     coo = int(coo_offset[-1])
+    ordered = order_lib.applies(plan) and not unbounded
+    order = np.empty(
+      int(order_lib.layout(plan, num_local).offsets[-1]) if ordered else 0,
+      np.int32,
+    )
     out = _fill_numba.Outputs(
       row_pointers=np.empty(int(rp_offset[-1]), np.int32),
       embedding_ids=np.empty(coo, np.int32),
@@ -157,6 +178,12 @@ class _Call:
       dropped=np.empty(items, np.int64),
       overflowed=np.empty(items, np.int64),
       raw_ids=np.empty(coo if unbounded else 0, np.int32),
+      order_rows=order,
+      order_gains=order.view(np.float32),
+      order_starts=np.zeros(items, np.int64),
+      order_pairs=np.full(items, -1, np.int64),
+      order_first=np.zeros(items, np.int64),
+      order_ok=np.zeros(items, np.bool_),
     )
     return cls(
       plan,
@@ -276,6 +303,7 @@ def _scalars(call: _Call) -> _fill_numba.Scalars:
     row_pointers_per_sc=buffer_format.row_pointers_per_sc(n),
     allow_id_dropping=call.allow_id_dropping,
     count_raw_ids=call.unbounded,
+    sample_order=call.sample_order,
   )
 
 
@@ -386,11 +414,25 @@ def results(
       call.plan, flat, offsets, call.num_local, has_leading_dimension
     )
 
+  order = None
+  if call.sample_order:
+    order_lib.finish(
+      call.plan,
+      call.num_local,
+      out.order_rows,
+      out.order_pairs,
+      out.order_ok,
+      out.dropped,
+    )
+    order = blocks(
+      out.order_rows, order_lib.layout(call.plan, call.num_local).offsets
+    )
   buffers = PreprocessedInput(
     lhs_row_pointers=blocks(out.row_pointers, call.row_pointer_offset),
     lhs_embedding_ids=blocks(out.embedding_ids, call.coo_offset),
     lhs_sample_ids=blocks(out.sample_ids, call.coo_offset),
     lhs_gains=blocks(out.gains, call.coo_offset),
+    sample_order=order,
   )
   return buffers, stats_of(call)
 

@@ -84,7 +84,7 @@ from pz_sparsecore.core.preprocessed import (
   SparseDenseMatmulInputStats,
 )
 from pz_sparsecore.host import fill as fill_lib
-from pz_sparsecore.host import minibatching, ragged_input
+from pz_sparsecore.host import minibatching, ragged_input, sample_order
 
 # ---------------------------------------------------------------------------
 # Buffer sizes.
@@ -183,12 +183,16 @@ def input_shapes(
   segments = plan.num_sc_per_device * plan.minibatches
   rp = {s.name: s.row_pointers_per_sc * segments for s in plan.stacks}
   coo = {s.name: s.coo_per_device for s in plan.stacks}
+  order = sample_order.shapes(plan)
   return PreprocessedInput(
     lhs_row_pointers={k: struct(n, np.int32) for k, n in rp.items()},
     lhs_embedding_ids={k: struct(c, np.int32) for k, c in coo.items()},
     lhs_sample_ids={k: struct(c, np.int32) for k, c in coo.items()},
     lhs_gains={k: struct(c, np.float32) for k, c in coo.items()},
     num_minibatches=struct(1, np.int32) if plan.minibatches > 1 else None,
+    sample_order=None
+    if order is None
+    else {k: struct(n, np.int32) for k, n in order.items()},
   )
 
 

@@ -1029,6 +1029,15 @@ def check_inputs(config: EmbedConfig, inputs: Any) -> None:
           "per device)"
         )
       continue
+    if field.name == "sample_order":
+      if got is None:
+        continue  # Optional: the forward then sorts by sample itself.
+      if want is None:
+        raise ValueError(
+          f"SparseCoreEmbed {config.name!r}: the buffers carry a "
+          "sample_order, which only one-device layers read; preprocess "
+          "with this layer's preprocess()"
+        )
     if set(got) != set(want):
       raise ValueError(
         f"{field.name}: stacks {sorted(got)} do not match the layer's "

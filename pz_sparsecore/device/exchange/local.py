@@ -31,13 +31,19 @@ def kernel_shape(stack: StackPlan, topo: Any) -> dict[str, int]:
 
 
 def lookup(
-  stack: StackPlan, topo: Any, table: jax.Array, buffers: Buffers
+  stack: StackPlan,
+  topo: Any,
+  table: jax.Array,
+  buffers: Buffers,
+  sample_order: jax.Array | None = None,
 ) -> jax.Array:
-  """The device's activations `[S * B_sc, D]`."""
+  """The device's activations `[S * B_sc, D]` (`sample_order`: the
+  preprocessor's, see `kernels.sparse_dense_matmul`)."""
   return kernels.sparse_dense_matmul(
     *buffers,
     table,
     quantization=stack.quantization,
+    sample_order=sample_order,
     **kernel_shape(stack, topo),
   )
 

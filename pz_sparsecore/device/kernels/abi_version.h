@@ -14,7 +14,7 @@
 #define PZSC_ABI_VERSION_H_
 
 namespace pzsc {
-inline constexpr int kAbiVersion = 9;
+inline constexpr int kAbiVersion = 10;
 }  // namespace pzsc
 
 #endif  // PZSC_ABI_VERSION_H_

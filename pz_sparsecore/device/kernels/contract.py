@@ -207,6 +207,24 @@ def check_buffers(
   )
 
 
+def check_sample_order(sample_order, shape: BufferShape) -> None:
+  """Validates the forward's optional sample-major order (see
+  ``ops.sparse_dense_matmul``): int32, rank 1, empty (none) or
+  ``num_outputs + 1`` starts followed by (row, gain bits) pairs.
+
+  Raises:
+    ValueError: If its dtype, rank or length does not fit.
+  """
+  _check_array(sample_order, "sample_order", jnp.int32, 1)
+  n = sample_order.shape[0]
+  extra = n - shape.num_outputs - 1
+  if n and (extra < 0 or extra % 2):
+    raise ValueError(
+      f"sample_order has {n} values; expected {shape.num_outputs + 1} starts "
+      "(one per output row, and the end) followed by (row, gain) pairs."
+    )
+
+
 def check_grad_operands(
   shape: BufferShape,
   activation_grad,

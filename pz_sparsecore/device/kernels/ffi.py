@@ -421,6 +421,7 @@ def sparse_dense_matmul(
   sample_ids: jax.Array,
   gains: jax.Array,
   table: jax.Array,
+  sample_order: jax.Array,
   shape: contract.BufferShape,
   quantization: tuple[float, float, int] | None = None,
 ) -> jax.Array:
@@ -428,7 +429,7 @@ def sparse_dense_matmul(
   out_type = jax.ShapeDtypeStruct((shape.num_outputs, shape.dim), jnp.float32)
   call = jax.ffi.ffi_call(FORWARD_TARGET, out_type, vmap_method="sequential")
   operands, axes = _unify_vma(
-    (row_pointers, embedding_ids, sample_ids, gains, table)
+    (row_pointers, embedding_ids, sample_ids, gains, table, sample_order)
   )
   lo, hi, buckets = quantization or (0.0, 0.0, 0)
   attrs = {

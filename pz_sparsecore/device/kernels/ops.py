@@ -109,6 +109,7 @@ def sparse_dense_matmul(
   rows_per_partition: int,
   partition_begin: int = 0,
   quantization: tuple[float, float, int] | None = None,
+  sample_order: jax.Array | None = None,
   implementation: str | None = None,
 ) -> jax.Array:
   """Looks up and combines embedding rows: one device's forward.
@@ -139,6 +140,17 @@ def sparse_dense_matmul(
     quantization: None, or a quantized table's ``(min_value, max_value,
       num_buckets)``: every value is read through the rule of
       ``reference.quantize`` (clipped, rounded to the nearest level).
+    sample_order: None, or the buffers' lookups in sample-major order, as
+      the preprocessor writes them for one device: int32 ``[num_outputs +
+      1 + 2 * n]``, ``starts`` (output row ``r``'s entries are ``[starts[r],
+      starts[r + 1])``) then ``n`` pairs (row of ``table``, gain's float32
+      bits); a first start of -1 means none. The CPU handler then sums
+      these instead of sorting the buffers by sample: the same sums, up to
+      float rounding where the pairs are the raw ids before duplicates
+      were merged. It refuses starts that decrease or pass ``n`` and rows
+      outside the table. The CUDA handler and the reference read the
+      buffers. Pairs that do not restate the buffers give another result;
+      nothing is read outside the table.
     implementation: ``None`` (FFI where compiled, else reference),
       ``"ffi"`` or ``"reference"``.
 
@@ -172,6 +184,9 @@ def sparse_dense_matmul(
     rows_per_partition=rows_per_partition,
     partition_begin=partition_begin,
   )
+  if sample_order is None:
+    sample_order = jnp.zeros((0,), jnp.int32)
+  contract.check_sample_order(sample_order, shape)
   fn = dispatch.choose(
     ffi.FORWARD_TARGET,
     implementation,
@@ -180,7 +195,7 @@ def sparse_dense_matmul(
       *a[:4], a[4].reshape(-1, shape.dim), shape, quantization
     ),
   )
-  out = fn(row_pointers, embedding_ids, sample_ids, gains, table)
+  out = fn(row_pointers, embedding_ids, sample_ids, gains, table, sample_order)
   _raise_device_errors_if_eager(out)
   return out
 
