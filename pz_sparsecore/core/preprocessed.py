@@ -34,7 +34,9 @@ class PreprocessedInput:
       forward's sample order, int32 `[L * O_dev]` / `[L, O_dev]`: the
       lookups grouped by output row, which the CPU forward reads instead of
       sorting the buffers (`host.sample_order`). Not upstream's: its
-      buffers are the four above, unchanged.
+      buffers are the four above, unchanged. Code that changes the four
+      after preprocessing drops it (`dataclasses.replace(inputs,
+      sample_order=None)`): the forward would sum the old lookups.
   """
 
   lhs_row_pointers: dict[str, Any]
