@@ -89,15 +89,11 @@ def fill(
   call = _Call.allocate(
     plan, num_local, allow_id_dropping, coo_per_sc, unbounded
   )
+  stacks = _stack_arrays(call, first_feature, batch.weighted, rows_per_sc)
   if call.sample_order:
     out = call.out
     out.order_starts[:], out.order_pairs[:], out.order_first[:] = (
-      order_lib.item_bases(
-        plan,
-        num_local,
-        item_size,
-        np.add.reduceat(rows_per_sc, first_feature[:-1]),
-      )
+      order_lib.item_bases(plan, num_local, item_size, stacks.samples_per_sc)
     )
   args = (
     _fill_numba.Batch(
@@ -107,7 +103,7 @@ def fill(
       item_size=item_size,
     ),
     _feature_arrays(features, batch, rows_per_sc),
-    _stack_arrays(call, first_feature, batch.weighted, rows_per_sc),
+    stacks,
     _scalars(call),
     call.out,
   )
@@ -140,7 +136,7 @@ class _Call:
   @property
   def sample_order(self) -> bool:
     """Whether the fill writes the forward's sample order (`order_lib`)."""
-    return order_lib.applies(self.plan) and not self.unbounded
+    return _writes_sample_order(self.plan, self.unbounded)
 
   @classmethod
   def allocate(
@@ -162,9 +158,10 @@ class _Call:
     )
     items = len(plan.stacks) * num_local * plan.num_sc_per_device
     coo = int(coo_offset[-1])
-    ordered = order_lib.applies(plan) and not unbounded
     order = np.empty(
-      int(order_lib.layout(plan, num_local).offsets[-1]) if ordered else 0,
+      int(order_lib.layout(plan, num_local).offsets[-1])
+      if _writes_sample_order(plan, unbounded)
+      else 0,
       np.int32,
     )
     out = _fill_numba.Outputs(
@@ -199,6 +196,12 @@ class _Call:
   @property
   def items_per_stack(self) -> int:
     return self.num_local * self.plan.num_sc_per_device
+
+
+def _writes_sample_order(plan: plan_lib.Plan, unbounded: bool) -> bool:
+  """A one-device plan's fill writes the sample order, but not the
+  unbounded first pass of minibatching."""
+  return order_lib.applies(plan) and not unbounded
 
 
 def _rows_per_sc(
