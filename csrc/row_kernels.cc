@@ -320,6 +320,72 @@ PZSC_HOST_DEVICE void ForEachValidEntry(const CooView& view,
   }
 }
 
+// Applies the optimizer to BackwardKeys' n <= kBlock summed rows: table
+// key keys[k]'s summed gradient is acc[k * dim, (k + 1) * dim), the keys
+// distinct; then clips them and (16-bit tables) stores them rounded, widened
+// into widened[k * dim, (k + 1) * dim) meanwhile.
+template <int kBlock>
+PZSC_HOST_DEVICE void ApplyPending(const BackwardPlan& plan,
+                                   const int64_t* keys, int n,
+                                   const float* acc, float* widened,
+                                   const uint32_t* column_mix) {
+  const int64_t dim = plan.view->dim;
+  const TableDtype dtype = plan.view->table_dtype;
+  const bool wide = dtype == TableDtype::kF32;
+  const int64_t row_bytes = dim * (wide ? 4 : 2);
+  char* const table_bytes = static_cast<char*>(plan.table);
+  uint16_t* stored[kBlock];
+  float* w[kBlock];
+  // Each slot's row at its own width (a Row slot's is one value).
+  float* s0[kBlock];
+  float* s1[kBlock];
+  for (int k = 0; k < n; ++k) {
+    const int64_t key = keys[k];
+    stored[k] = reinterpret_cast<uint16_t*>(table_bytes + key * row_bytes);
+    w[k] = wide ? reinterpret_cast<float*>(stored[k]) : widened + k * dim;
+    if (!wide) WidenRow(dtype, stored[k], w[k], dim);
+    s0[k] = plan.slots[0] + key * plan.slot_width[0];
+    s1[k] = plan.slots[1] + key * plan.slot_width[1];
+  }
+  const Hyperparameters& h = plan.hyper;
+  // The list's `rule` picks the update: Element rules run per element
+  // (ApplyRow), row by row; Row rules reduce each row first (ApplyRowRules,
+  // all rows at once).
+  switch (plan.optimizer) {
+#define PZSC_APPLY_Element(Name, num_slots)                                  \
+  for (int k = 0; k < n; ++k) {                                              \
+    ApplyRow<Name##Element>(h, w[k], PZSC_SLOT_ARGS(num_slots, s0[k], s1[k]) \
+                                acc + k * dim,                               \
+                            dim);                                            \
+  }
+#define PZSC_APPLY_Row(Name, num_slots)                                   \
+  ApplyRowRules<Name##RowState, Name##RowTerm, Name##Row, Name##Element>( \
+      h, w, PZSC_SLOT_ARGS(num_slots, s0, s1) acc, n, dim)
+#define PZSC_APPLY_CASE(Name, name, num_slots, num_hyperparameters, rule, \
+                        shape0, shape1)                                   \
+  case Optimizer::k##Name:                                                \
+    PZSC_APPLY_##rule(Name, num_slots);                                   \
+    break;
+    PZSC_OPTIMIZERS(PZSC_APPLY_CASE)
+#undef PZSC_APPLY_CASE
+#undef PZSC_APPLY_Row
+#undef PZSC_APPLY_Element
+  }
+  for (int k = 0; k < n; ++k) {
+    float* __restrict wk = w[k];
+    if (plan.clip) {
+      const float lo = plan.clip_min, hi = plan.clip_max;
+      for (int64_t i = 0; i < dim; ++i) {
+        wk[i] = std::min(std::max(wk[i], lo), hi);
+      }
+    }
+    if (!wide) {
+      NarrowRow(dtype, wk, stored[k], dim, plan.rounding_seed,
+                plan.row_base + keys[k], column_mix);
+    }
+  }
+}
+
 }  // namespace
 
 int64_t ForwardOrder::Place(int64_t num_chunks, int64_t num_outputs) {
@@ -404,23 +470,31 @@ bool IdsSorted(const int32_t* ids, int64_t n) {
   return descents == 0;
 }
 
-PZSC_MULTIVERSION
-void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
-                  int64_t key_end) {
+namespace {
+
+// BackwardKeys with kBlock summed rows waiting for their update
+// (ApplyPending): a row rule's kRowRuleBlock rows (ApplyRowRules), an element
+// rule's one (waiting made the SGD step ~5% slower).
+template <int kBlock>
+PZSC_HOST_DEVICE void UpdateKeys(const BackwardPlan& plan, int64_t key_begin,
+                                 int64_t key_end) {
   const CooView& v = *plan.view;
   const int64_t rpp = v.attrs.rows_per_partition;
   const int64_t spp = v.attrs.samples_per_segment;
   const int64_t dim = v.dim;
   const float* __restrict grad = plan.activation_grad;
   const int num_slots = NumSlots(plan.optimizer);
-  std::vector<float> acc_storage(dim);
-  float* __restrict acc = acc_storage.data();
-  // A 16-bit table's row is updated in float32 here, then stored rounded.
-  const TableDtype dtype = v.table_dtype;
-  const bool wide = dtype == TableDtype::kF32;
+  // The table's and slots' rows are used up to kBlock - 1 rows later than
+  // the activation gradient's: prefetched further ahead.
+  constexpr int64_t kTableAhead = kPrefetchDistance + kBlock - 1;
+  int64_t pending_keys[kBlock];
+  int pending = 0;
+  std::vector<float> acc_storage(kBlock * dim);
+  // A 16-bit table's row is updated in float32 there, then stored rounded.
+  const bool wide = v.table_dtype == TableDtype::kF32;
   const int64_t row_bytes = dim * (wide ? 4 : 2);
   char* const table_bytes = static_cast<char*>(plan.table);
-  std::vector<float> row_storage(wide ? 0 : dim);
+  std::vector<float> widened(wide ? 0 : kBlock * dim);
   std::vector<uint32_t> column_mix(wide ? 0 : dim);
   for (int64_t i = 0; i < static_cast<int64_t>(column_mix.size()); ++i) {
     column_mix[i] = ColumnMix(i);
@@ -452,6 +526,7 @@ void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
       }
       if (row == std::numeric_limits<int64_t>::max()) break;
       bool referenced = false;
+      float* __restrict acc = acc_storage.data() + pending * dim;
       for (int64_t i = 0; i < dim; ++i) acc[i] = 0.0f;
       for (Cursor& c : cursors) {
         // Locals, so that the stores into `acc` cannot alias them.
@@ -461,16 +536,18 @@ void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
         const float* __restrict run_grad = grad + c.run->out_base * dim;
         const int64_t end = c.end;
         int64_t pos = c.pos;
-        if (pos + kPrefetchDistance < end) {
-          const int64_t ahead_row = table_base + ids[pos + kPrefetchDistance];
+        if (pos + kTableAhead < end) {
+          const int64_t ahead_row = table_base + ids[pos + kTableAhead];
           PrefetchBytesForWrite(table_bytes + ahead_row * row_bytes,
                                 row_bytes);
           for (int s = 0; s < num_slots; ++s) {
             const int64_t width = plan.slot_width[s];
             PrefetchRowForWrite(plan.slots[s] + ahead_row * width, width);
           }
-          // The activation gradient's row that entry will add (the rows of
-          // a batch, ~1 MiB, fall out of L2 between the table's misses).
+        }
+        // The activation gradient's row that entry will add (the rows of a
+        // batch, ~1 MiB, fall out of L2 between the table's misses).
+        if (pos + kPrefetchDistance < end) {
           const int32_t ahead_sid = sids[pos + kPrefetchDistance];
           if (static_cast<uint32_t>(ahead_sid) < static_cast<uint64_t>(spp)) {
             PrefetchRow(run_grad + ahead_sid * dim, dim);
@@ -485,46 +562,27 @@ void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
         c.pos = pos;
       }
       if (!referenced) continue;
-      const int64_t key = table_base + row;
-      uint16_t* const stored =
-          reinterpret_cast<uint16_t*>(table_bytes + key * row_bytes);
-      float* __restrict w = wide ? reinterpret_cast<float*>(stored)
-                                 : row_storage.data();
-      if (!wide) WidenRow(dtype, stored, w, dim);
-      // Each slot's row at its own width (a Row slot's is one value).
-      float* s0 = plan.slots[0] + key * plan.slot_width[0];
-      float* s1 = plan.slots[1] + key * plan.slot_width[1];
-      const Hyperparameters& h = plan.hyper;
-      // The list's `rule` picks the update: Element rules run per element
-      // (ApplyRow), Row rules reduce the row first (ApplyRowRule).
-      switch (plan.optimizer) {
-#define PZSC_APPLY_Element(Name, num_slots)                            \
-  ApplyRow<Name##Element>(h, w, PZSC_SLOT_ARGS(num_slots, s0, s1) acc, \
-                          dim)
-#define PZSC_APPLY_Row(Name, num_slots)                                  \
-  ApplyRowRule<Name##RowState, Name##RowTerm, Name##Row, Name##Element>( \
-      h, w, PZSC_SLOT_ARGS(num_slots, s0, s1) acc, dim)
-#define PZSC_APPLY_CASE(Name, name, num_slots, num_hyperparameters, rule, \
-                        shape0, shape1)                                   \
-  case Optimizer::k##Name:                                                \
-    PZSC_APPLY_##rule(Name, num_slots);                                   \
-    break;
-        PZSC_OPTIMIZERS(PZSC_APPLY_CASE)
-#undef PZSC_APPLY_CASE
-#undef PZSC_APPLY_Row
-#undef PZSC_APPLY_Element
-      }
-      if (plan.clip) {
-        const float lo = plan.clip_min, hi = plan.clip_max;
-        for (int64_t i = 0; i < dim; ++i) {
-          w[i] = std::min(std::max(w[i], lo), hi);
-        }
-      }
-      if (!wide) {
-        NarrowRow(dtype, w, stored, dim, plan.rounding_seed,
-                  plan.row_base + key, column_mix.data());
+      pending_keys[pending++] = table_base + row;
+      if (pending == kBlock) {
+        ApplyPending<kBlock>(plan, pending_keys, pending, acc_storage.data(),
+                             widened.data(), column_mix.data());
+        pending = 0;
       }
     }
+  }
+  ApplyPending<kBlock>(plan, pending_keys, pending, acc_storage.data(),
+                       widened.data(), column_mix.data());
+}
+
+}  // namespace
+
+PZSC_MULTIVERSION
+void BackwardKeys(const BackwardPlan& plan, int64_t key_begin,
+                  int64_t key_end) {
+  if (IsRowRule(plan.optimizer)) {
+    UpdateKeys<kRowRuleBlock>(plan, key_begin, key_end);
+  } else {
+    UpdateKeys<1>(plan, key_begin, key_end);
   }
 }
 

@@ -552,7 +552,7 @@ struct RowRule;
     using State = Name##RowState;                                          \
     static __device__ __forceinline__ float Term(                          \
         const Hyperparameters& h, int col, float w, float g) {             \
-      return Name##RowTerm(h, col, w, g);                                  \
+      return Name##RowTerm(h, static_cast<float>(col), w, g);              \
     }                                                                      \
     static __device__ __forceinline__ State Row(const Hyperparameters& h,  \
                                                 const UpdateArgs& a,       \
