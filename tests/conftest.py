@@ -8,6 +8,8 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+
 # Must run before jax is imported anywhere in the test session.
 # Compiling is most of the suite's CPU time, and most of a CPU compile is
 # LLVM optimising the machine code of XLA's kernels: the tests' programs
@@ -79,8 +81,57 @@ def pytest_configure(config):
   )
 
 
+# Modules whose tests build the same layers and compile the same programs
+# (module fixtures, JAX's in-process caches): each runs on one worker (an
+# `xdist_group` of its own, added below), which builds and compiles them
+# once, where its tests spread over both workers built and compiled them on
+# each at the same time (test_axis_mapping's three trainings: 104 -> 66 s
+# CPU). Measured with -n 2 on these modules, fresh compile cache: 1,221 ->
+# 1,073 s CPU, 630 -> 559 s wall. xdist dispatches groups before the single
+# tests (by test count), so the ungrouped modules still balance the end of
+# the run; modules that gained nothing stay ungrouped.
+_GROUPED_MODULES = frozenset(
+  {
+    "test_axis_mapping",
+    "test_bad_input",
+    "test_checkpoint",
+    "test_checkpoint_limits",
+    "test_compat_device",
+    "test_embed",
+    "test_exchange",
+    "test_inplace",
+    "test_input_check",
+    "test_jit",
+    "test_limits",
+    "test_lookup",
+    "test_minibatching_layer",
+    "test_parallel",
+    "test_quantization",
+    "test_replication",
+    "test_rowwise",
+    "test_sample_order",
+    "test_stacking",
+    "test_table_dtypes_layer",
+    "test_training",
+    "test_viz",
+    "test_viz_dlrm",
+  }
+)
+
+
+def _group_modules(items) -> None:
+  """Marks the tests of `_GROUPED_MODULES` with their module's group (a test
+  already in a group keeps it)."""
+  for item in items:
+    module = getattr(item, "module", None)
+    name = module.__name__.rpartition(".")[2] if module else None
+    if name in _GROUPED_MODULES and not any(item.iter_markers("xdist_group")):
+      item.add_marker(pytest.mark.xdist_group(name))
+
+
 def pytest_collection_modifyitems(config, items):
-  """Keeps `--dist loadgroup`'s groups together on pytest 9.
+  """Groups `_GROUPED_MODULES`, and keeps `--dist loadgroup`'s groups
+  together on pytest 9.
 
   pytest-xdist (3.8) marks a test of an `xdist_group` by appending
   `@group` to its node id through `item._nodeid`, which pytest 9 no longer
@@ -89,6 +140,7 @@ def pytest_collection_modifyitems(config, items):
   multi-process tests ran beside each other. On the workers (where xdist
   sets `config.option.loadgroup`), the suffix is added here.
   """
+  _group_modules(items)
   if not getattr(config.option, "loadgroup", False):
     return
   try:
