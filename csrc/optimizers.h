@@ -332,7 +332,7 @@ struct RowwiseAdagradRowState {
 };
 
 // One element's term of the row sum: (g + l2 w)^2 for column `col` (as a
-// float: exact for any width) below embedding_dim, 0 past it.
+// float: exact below 2^24 columns) below embedding_dim, 0 past it.
 PZSC_HOST_DEVICE float RowwiseAdagradRowTerm(const Hyperparameters& h,
                                              float col, float w, float g) {
   // Computed for every column, chosen by a mask (as in AdagradElement).
