@@ -551,8 +551,8 @@ struct RowRule;
   struct RowRule<Optimizer::k##Name> {                                     \
     using State = Name##RowState;                                          \
     static __device__ __forceinline__ float Term(                          \
-        const Hyperparameters& h, int col, float w, float g) {             \
-      return Name##RowTerm(h, static_cast<float>(col), w, g);              \
+        const Hyperparameters& h, float col, float w, float g) {           \
+      return Name##RowTerm(h, col, w, g);                                  \
     }                                                                      \
     static __device__ __forceinline__ State Row(const Hyperparameters& h,  \
                                                 const UpdateArgs& a,       \
@@ -634,7 +634,7 @@ __device__ __forceinline__ void ApplyRowRule(const UpdateArgs& a, int64_t row,
     for (int r = 0; r < kRegs; ++r) {
       const int64_t d = d0 + lane + kWarpSize * r;
       if (d < dim) {
-        term += Parts::Term(h, static_cast<int>(d), LoadTable(a, row, d),
+        term += Parts::Term(h, static_cast<float>(d), LoadTable(a, row, d),
                             acc[r]);
       }
     }
