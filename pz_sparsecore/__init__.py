@@ -1,7 +1,8 @@
 """pz_sparsecore: SparseCore-style sharded embeddings for Penzai.
 
 `import pz_sparsecore as pzsc` gives the public surface below. Submodules
-load on first use, so importing the package is cheap and does not start JAX.
+load on first use, so importing the package is cheap and does not start JAX
+(it loads Treescope's type registries only, see `_set_up_treescope`).
 
 The package's folders are the pipeline's stages; data flows down, and no
 stage imports one above it:
@@ -124,6 +125,7 @@ __all__ = sorted(_EXPORTS)
 
 
 _SUBMODULES = ("viz",)
+_RENDERERS = ("pz_sparsecore.viz.treescope", "register_renderers")
 
 
 def __getattr__(name: str):
@@ -141,3 +143,23 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
   return sorted(list(globals()) + __all__)
+
+
+def _set_up_treescope() -> None:
+  """Has Treescope import `viz.treescope` before it next renders anything.
+
+  The `core` types name no later stage, so their renderers live in `viz`,
+  which registers them in Treescope's handler registry when imported. An
+  entry in Treescope's table of set-up functions (keyed by a module already
+  imported, run once at the start of the next rendering, as Treescope sets
+  up JAX's and NumPy's types) makes every rendering after `import
+  pz_sparsecore` use them, without loading `viz` (numba, Penzai) on import.
+  The table is private to Treescope (`<0.2`): `test_viz` renders a spec in
+  a fresh process, so a Treescope without it fails there.
+  """
+  from treescope import type_registries
+
+  type_registries._LAZY_MODULE_SETUP_FUNCTIONS.setdefault(__name__, _RENDERERS)
+
+
+_set_up_treescope()

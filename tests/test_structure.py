@@ -8,10 +8,13 @@ Read from the source with `ast`, so a violation names the file and line:
 * no call passes more than `MAX_POSITIONAL_ARGS` positional arguments (a
   long positional list is where swapped arguments hide; pass a named
   structure instead);
-* no import cycle, counting imports inside functions (those under
-  `TYPE_CHECKING` and in the lazy Treescope hooks aside);
+* no import cycle, counting imports inside functions and
+  `importlib.import_module("...")` calls (those under `TYPE_CHECKING` and
+  in `nn`'s lazy Treescope hooks aside);
 * the stages import in the pipeline's order (`STAGE_RANK`): `core` imports
-  no other stage, `host` and `device` import `core` only, `nn` no `viz`;
+  no other stage anywhere (no exception: not in a function, a hook or under
+  `TYPE_CHECKING`), `host` and `device` import `core` only, `nn` no `viz`
+  but from its Treescope hooks;
 * the package root holds `__init__`, `__main__` and at most two more
   modules, and the device stage never loads numba;
 * no source cites a document outside the repository (`OUTSIDE_DOCUMENTS`).
@@ -20,6 +23,7 @@ Read from the source with `ast`, so a violation names the file and line:
 from __future__ import annotations
 
 import ast
+import json
 import pathlib
 import subprocess
 import sys
@@ -34,8 +38,17 @@ STAGE_RANK = {"core": 0, "host": 1, "device": 1, "nn": 2, "viz": 3}
 a lower rank (or itself); `host` and `device` share a rank and never import
 each other. `compat`, `models` and `data` sit above every stage."""
 LAZY_HOOKS = ("__treescope_repr__", "treescope_summary")
-"""Functions whose imports are Treescope's lazy rendering hooks: a frozen
-spec renders itself through `viz` without `core` depending on it."""
+"""Functions whose imports are Treescope's lazy rendering hooks, allowed in
+`LAZY_HOOK_STAGES` only: a Penzai layer renders itself through `viz` from
+its own `__treescope_repr__` (Penzai's structs define one, which Treescope
+asks before its handler registry). `core`'s types have none: `viz`
+registers their renderers with Treescope."""
+LAZY_HOOK_STAGES = ("nn",)
+STRICT_STAGE = "core"
+"""The stage whose imports are all counted (hooks and `TYPE_CHECKING`
+included): it names no other stage at all."""
+IMPORT_CALLS = ("importlib.import_module", "import_module", "__import__")
+"""Calls whose literal first argument is an import."""
 MAX_ROOT_MODULES = 2
 OUTSIDE_DOCUMENTS = ("research notes", "notes section", "notes \u00a7")
 """Citations of documents that are not in the repository."""
@@ -111,13 +124,18 @@ def _resolve(name: str) -> str | None:
   return name or None
 
 
-def _skipped_nodes(tree: ast.Module) -> set[int]:
-  """Nodes under `if TYPE_CHECKING:` and inside the lazy hooks."""
+def _skipped_nodes(tree: ast.Module, stage: str | None) -> set[int]:
+  """Nodes whose imports do not count in a module of `stage`: under `if
+  TYPE_CHECKING:` and inside the lazy hooks (`LAZY_HOOK_STAGES` only);
+  none in `STRICT_STAGE`."""
+  if stage == STRICT_STAGE:
+    return set()
   skipped = set()
   for node in ast.walk(tree):
     hook = (
       isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
       and node.name in LAZY_HOOKS
+      and stage in LAZY_HOOK_STAGES
     )
     checking = isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(
       node.test
@@ -127,27 +145,41 @@ def _skipped_nodes(tree: ast.Module) -> set[int]:
   return skipped
 
 
-def _imports(module: str) -> dict[str, int]:
-  """Package modules `module` imports anywhere (module level or inside
-  functions) -> the line of the first such import."""
-  path = MODULES[module]
+def _imported_names(node: ast.AST, package: str) -> list[str]:
+  """The dotted names `node` imports: an `import`, a `from ... import` or
+  an import call (`IMPORT_CALLS`) with a literal name; else none."""
+  if isinstance(node, ast.Import):
+    return [alias.name for alias in node.names]
+  if isinstance(node, ast.ImportFrom):
+    base = node.module or ""
+    if node.level:
+      anchor = package.rsplit(".", node.level - 1)[0]
+      base = f"{anchor}.{base}" if base else anchor
+    return [f"{base}.{alias.name}" for alias in node.names]
+  if (
+    isinstance(node, ast.Call)
+    and ast.unparse(node.func) in IMPORT_CALLS
+    and node.args
+    and isinstance(node.args[0], ast.Constant)
+    and isinstance(node.args[0].value, str)
+  ):
+    return [node.args[0].value]
+  return []
+
+
+def _imports(module: str, path: pathlib.Path | None = None) -> dict[str, int]:
+  """Package modules `module` (read from `path`, by default its file)
+  imports anywhere (module level or inside functions) -> the line of the
+  first such import."""
+  path = path or MODULES[module]
   package = module if path.name == "__init__.py" else module.rpartition(".")[0]
   tree = _tree(path)
-  skipped = _skipped_nodes(tree)
+  skipped = _skipped_nodes(tree, _stage(module))
   found: dict[str, int] = {}
   for node in ast.walk(tree):
     if id(node) in skipped:
       continue
-    if isinstance(node, ast.Import):
-      names = [alias.name for alias in node.names]
-    elif isinstance(node, ast.ImportFrom):
-      base = node.module or ""
-      if node.level:
-        anchor = package.rsplit(".", node.level - 1)[0]
-        base = f"{anchor}.{base}" if base else anchor
-      names = [f"{base}.{alias.name}" for alias in node.names]
-    else:
-      continue
+    names = _imported_names(node, package)
     for name in names:
       target = _resolve(name)
       # A module always imports its parent packages first; that is Python's
@@ -224,21 +256,36 @@ def test_package_root_is_small():
   assert len(extra) <= MAX_ROOT_MODULES, extra
 
 
-def test_device_stage_loads_no_numba_and_no_host():
-  """Every module under `device` imports without numba or `host`."""
-  device = sorted(m for m in MODULES if _stage(m) == "device")
+def _loaded_after_importing(modules: list[str], bad: str) -> list[str]:
+  """The modules `m` loaded in a fresh process that imported `modules`
+  for which the expression `bad` is true."""
   code = (
-    "import importlib, sys\n"
-    f"for m in {device!r}: importlib.import_module(m)\n"
-    "bad = sorted(m for m in sys.modules if m == 'numba' or "
-    "m.startswith(('numba.', 'pz_sparsecore.host')))\n"
-    "print(bad)\n"
-    "sys.exit(1 if bad else 0)\n"
+    "import importlib, json, sys\n"
+    f"for m in {modules!r}: importlib.import_module(m)\n"
+    f"print(json.dumps(sorted(m for m in sys.modules if {bad})))\n"
   )
   run = subprocess.run(
     [sys.executable, "-c", code], capture_output=True, text=True, check=False
   )
-  assert run.returncode == 0, run.stdout + run.stderr
+  assert run.returncode == 0, run.stderr
+  return json.loads(run.stdout)
+
+
+def test_device_stage_loads_no_numba_and_no_host():
+  """Every module under `device` imports without numba or `host`."""
+  device = sorted(m for m in MODULES if _stage(m) == "device")
+  bad = "m == 'numba' or m.startswith(('numba.', 'pz_sparsecore.host'))"
+  assert _loaded_after_importing(device, bad) == []
+
+
+def test_core_stage_loads_no_other_stage():
+  """Every module under `core` imports without another stage."""
+  core = sorted(m for m in MODULES if _stage(m) == STRICT_STAGE)
+  bad = (
+    "m.startswith('pz_sparsecore.') and "
+    "m.split('.')[1] not in ('core', '_extension')"
+  )
+  assert _loaded_after_importing(core, bad) == []
 
 
 def _outside_citations(path: pathlib.Path) -> list[str]:
@@ -282,3 +329,36 @@ def test_the_checks_see_violations(tmp_path):
     "pz_sparsecore.core.a:3 -> pz_sparsecore.host.b",
     "pz_sparsecore.device.c:7 -> pz_sparsecore.host.b",
   ]
+
+
+def test_core_imports_count_everywhere(tmp_path):
+  """An import of `viz` in a `core` module is seen wherever it is: in a
+  Treescope hook, under `TYPE_CHECKING`, or as `importlib.import_module`;
+  the hook is allowed in `nn` only."""
+  source = tmp_path / "hooked.py"
+  source.write_text(
+    "import importlib\n"
+    "from typing import TYPE_CHECKING\n"
+    "if TYPE_CHECKING:\n"
+    "  from pz_sparsecore.host import fdo\n"
+    "class A:\n"
+    "  def __treescope_repr__(self, path, renderer):\n"
+    "    from pz_sparsecore.viz import treescope\n"
+    "  def later(self):\n"
+    "    return importlib.import_module('pz_sparsecore.device.topology')\n"
+  )
+  core = _imports("pz_sparsecore.core.hooked", source)
+  assert core == {
+    "pz_sparsecore.host.fdo": 4,
+    "pz_sparsecore.viz.treescope": 7,
+    "pz_sparsecore.device.topology": 9,
+  }
+  assert len(_upward_imports({"pz_sparsecore.core.hooked": core})) == 3
+  layer = _imports("pz_sparsecore.nn.hooked", source)
+  assert layer == {"pz_sparsecore.device.topology": 9}
+  # Elsewhere the hook's import counts too; `TYPE_CHECKING` does not.
+  device = _imports("pz_sparsecore.device.hooked", source)
+  assert device == {
+    "pz_sparsecore.viz.treescope": 7,
+    "pz_sparsecore.device.topology": 9,
+  }

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -211,6 +214,32 @@ def test_spec_summaries(embed):
   text = treescope.render_to_text(fa.table_spec, roundtrip_mode=True)
   assert text.startswith("pz_sparsecore.core.specs.TableSpec(\n  name='ta',")
   assert "#" not in text
+
+
+_RENDER_IN_A_FRESH_PROCESS = """
+import sys
+import jax
+import treescope
+from pz_sparsecore.core import specs
+assert "pz_sparsecore.viz.treescope" not in sys.modules
+spec = specs.TableSpec(
+  name="t", vocabulary_size=10, embedding_dim=4,
+  initializer=jax.nn.initializers.zeros,
+  optimizer=specs.SGDOptimizerSpec(learning_rate=0.5), combiner="sum")
+print(treescope.render_to_text(spec))
+"""
+
+
+def test_core_types_render_through_viz_in_a_fresh_process():
+  """The `core` types name no renderer; importing the package (here through
+  `pz_sparsecore.core`) has Treescope load `viz`'s before it renders."""
+  run = subprocess.run(
+    [sys.executable, "-c", _RENDER_IN_A_FRESH_PROCESS],
+    capture_output=True,
+    text=True,
+    check=True,
+  )
+  assert run.stdout.strip() == "TableSpec('t': 10 x 4, sgd(lr=0.5), sum)"
 
 
 def test_inputs_valid_entries(embed, ids):

@@ -10,6 +10,7 @@
   `SparseDenseMatmulInputStats`).
 * `spec_proto`: specs to and from upstream's `EmbeddingSpecProto`.
 
-Nothing here imports another stage (`host`, `device`, `nn`, `viz`), except
-the lazy Treescope hooks.
+Nothing here imports or names another stage (`host`, `device`, `nn`,
+`viz`), not even inside a function: Treescope draws the specs, plans,
+buffers and stats with the renderers `viz.treescope` registers for them.
 """

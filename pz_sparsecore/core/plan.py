@@ -203,11 +203,6 @@ class Plan:
     plans = {f.name: f for stack in self.stacks for f in stack.features}
     return {spec.name: plans[spec.name] for spec in self.feature_specs}
 
-  def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
-    from pz_sparsecore.viz import treescope as _treescope
-
-    return _treescope.render_plan(self, path, subtree_renderer)
-
   def stack(self, name: str) -> StackPlan:
     """The plan of stack `name`.
 

@@ -8,10 +8,20 @@ the stats, `nn` passes both along and `viz` draws them. Their format is
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+
+
+class SparseDenseMatmulInput(NamedTuple):
+  """The four buffers of a batch, per stack name (upstream's grouping)."""
+
+  lhs_row_pointers: Mapping[str, Any]
+  lhs_embedding_ids: Mapping[str, Any]
+  lhs_sample_ids: Mapping[str, Any]
+  lhs_gains: Mapping[str, Any]
 
 
 @jax.tree_util.register_dataclass
@@ -46,10 +56,16 @@ class PreprocessedInput:
   num_minibatches: Any = None
   sample_order: Any = None
 
-  def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
-    from pz_sparsecore.viz import treescope as _treescope
-
-    return _treescope.render_inputs(self, path, subtree_renderer)
+  @property
+  def sparse_dense_matmul_input(self) -> SparseDenseMatmulInput:
+    """The four buffers as one named tuple, as upstream's `PreprocessedInput`
+    holds them."""
+    return SparseDenseMatmulInput(
+      self.lhs_row_pointers,
+      self.lhs_embedding_ids,
+      self.lhs_sample_ids,
+      self.lhs_gains,
+    )
 
 
 @jax.tree_util.register_dataclass
@@ -117,8 +133,3 @@ class SparseDenseMatmulInputStats:
     self.required_buffer_size_per_sc[stack_name] = np.full(
       num_sc, required_buffer_size_per_device / num_sc
     )
-
-  def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
-    from pz_sparsecore.viz import treescope as _treescope
-
-    return _treescope.render_stats(self, path, subtree_renderer)

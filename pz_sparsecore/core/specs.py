@@ -790,11 +790,6 @@ class StackedTableSpec:
     """A copy with `changes` applied."""
     return dataclasses.replace(self, **changes)
 
-  def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
-    from pz_sparsecore.viz import treescope as _treescope
-
-    return _treescope.render_spec(self, path, subtree_renderer)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TableSpec:
@@ -882,11 +877,6 @@ class TableSpec:
     """A copy with `changes` applied."""
     return dataclasses.replace(self, **changes)
 
-  def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
-    from pz_sparsecore.viz import treescope as _treescope
-
-    return _treescope.render_spec(self, path, subtree_renderer)
-
 
 @dataclasses.dataclass(frozen=True)
 class FeatureIdTransformation:
@@ -968,8 +958,3 @@ class FeatureSpec:
   def replace(self, **changes: Any) -> FeatureSpec:
     """A copy with `changes` applied."""
     return dataclasses.replace(self, **changes)
-
-  def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
-    from pz_sparsecore.viz import treescope as _treescope
-
-    return _treescope.render_spec(self, path, subtree_renderer)

@@ -6,8 +6,10 @@ against the limits, each table in its own colour from `palette`;
 `vocabulary` shows a `SparseCoreLookup`'s table in
 vocabulary order, as Penzai's `EmbeddingTable` holds it
 (`vocabulary_view`); `treescope` renders the package's objects (specs,
-plans, buffers, stats, layers) as compact Treescope summaries. The stages
-below import `treescope` lazily, from their `__treescope_repr__` hooks only.
+plans, buffers, stats, layers) as compact Treescope summaries: it
+registers the renderers of the `core` types with Treescope when imported
+(which `import pz_sparsecore` arranges before any rendering), and `nn`'s
+layers import it lazily from their `__treescope_repr__` hooks.
 """
 
 from __future__ import annotations

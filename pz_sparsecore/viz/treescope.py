@@ -26,10 +26,15 @@ spec met again is one line, `TableSpec('t03': ...)  # shown at
 .config.plan.feature_specs[3].table_spec`. With both, the DLRM benchmark's
 26-table layer renders to about 1 MB of HTML (33 MB without).
 
-The `__treescope_repr__` methods of `SparseCoreEmbed`, `PreprocessedInput`,
-`SparseDenseMatmulInputStats` and the spec classes import this module lazily
-and call its `render_*` function for their type (`render_embed`,
-`render_inputs`, ...). The plain-text summaries and details (`*_summary`,
+The `core` types (`TableSpec`, `FeatureSpec`, `StackedTableSpec`, `Plan`,
+`PreprocessedInput`, `SparseDenseMatmulInputStats`) know nothing of their
+rendering: importing this module registers `render_spec`, `render_plan`,
+`render_inputs` and `render_stats` for them in Treescope's handler registry
+(`register_renderers`), and `import pz_sparsecore` has Treescope import it
+before its next rendering. A Penzai layer renders through its own
+`__treescope_repr__` (Penzai's structs define one, which takes precedence
+over the registry): `SparseCoreEmbed`'s imports this module lazily and
+calls `render_embed`. The plain-text summaries and details (`*_summary`,
 `*_details`) are the ones `viz.describe` prints.
 
 Stack details come from the `plan.Plan` of the layer's specs; the number of
@@ -45,11 +50,21 @@ from typing import Any
 
 import jax
 import numpy as np
-from treescope import context, formatting_util, renderers, rendering_parts
+from treescope import (
+  context,
+  formatting_util,
+  renderers,
+  rendering_parts,
+  type_registries,
+)
 
 from pz_sparsecore.core import buffer_format
 from pz_sparsecore.core.optimizers import SlotShape
 from pz_sparsecore.core.plan import Plan, StackPlan
+from pz_sparsecore.core.preprocessed import (
+  PreprocessedInput,
+  SparseDenseMatmulInputStats,
+)
 from pz_sparsecore.core.specs import (
   FeatureSpec,
   OptimizerSpec,
@@ -673,3 +688,24 @@ def render_stats(
     path,
     subtree_renderer,
   )
+
+
+_RENDERERS: dict[type, renderers.TreescopeNodeHandler] = {
+  TableSpec: render_spec,
+  FeatureSpec: render_spec,
+  StackedTableSpec: render_spec,
+  Plan: render_plan,
+  PreprocessedInput: render_inputs,
+  SparseDenseMatmulInputStats: render_stats,
+}
+"""The renderer of each `core` type (and, by Treescope's lookup along the
+method resolution order, of its subclasses)."""
+
+
+def register_renderers() -> None:
+  """Registers `_RENDERERS` in Treescope's handler registry (again: a
+  no-op). Runs when this module is imported."""
+  type_registries.TREESCOPE_HANDLER_REGISTRY.update(_RENDERERS)
+
+
+register_renderers()
