@@ -308,6 +308,9 @@ def test_from_config_rejects_bad_arguments(mesh):
     SparseCoreEmbed.from_config(
       "e", jax.random.key(0), _specs(), mesh, num_sc_per_device=8
     )
+  # Everything after the mesh is keyword-only.
+  with pytest.raises(TypeError, match="positional"):
+    SparseCoreEmbed.from_config("e", jax.random.key(0), _specs(), mesh, "x")
 
 
 @pytest.mark.parametrize("devices", [1, 8])

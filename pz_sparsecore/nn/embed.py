@@ -614,6 +614,7 @@ class SparseCoreEmbed(pz.nn.Layer):
     init_base_rng: jax.Array | None,
     feature_specs: Any,
     mesh: Mesh,
+    *,
     sharding_axis: str | tuple[str, ...] | None = None,
     num_sc_per_device: int = 1,
     feature_axes: Any = None,
@@ -626,6 +627,8 @@ class SparseCoreEmbed(pz.nn.Layer):
     max_replicated_bytes: int = replication.DEFAULT_MAX_BYTES,
   ) -> SparseCoreEmbed:
     """Builds the layer and its (sharded) variables.
+
+    The arguments after `mesh` are keyword-only.
 
     Args:
       name: Layer name; variable labels are `f"{name}/{stack}.embeddings"`
