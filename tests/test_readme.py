@@ -36,7 +36,7 @@ RUN_HERE = {
   CONCEPTS: 3,
   MULTIHOST: 2,
   GPU: 1,
-  COMPAT: 1,
+  COMPAT: 2,
   ANY_MODEL: 7,
 }
 
@@ -135,12 +135,21 @@ def test_gpu_page_snippet_runs(capsys):
 
 def test_compat_page_program_runs(capsys, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  (block,) = _blocks(COMPAT)
+  block = _blocks(COMPAT)[0]
   block = block.replace("/tmp/pzsc_compat_fdo", str(tmp_path / "fdo"))
   exec(compile(block, str(COMPAT), "exec"), {})
   limit, num_sparsecores = capsys.readouterr().out.split()
   assert 1 <= int(limit) < 256  # FDO lowered the default limit
   assert int(num_sparsecores) == 32
+
+
+def test_compat_page_pipelining_recipe_runs(capsys):
+  """The "Pipelining" recipe: a SparseCoreEmbed trained through the
+  pipelined step, one loss per batch."""
+  namespace: dict = {}
+  exec(compile(_blocks(COMPAT)[1], str(COMPAT), "exec"), namespace)
+  assert capsys.readouterr().out.split() == ["6"]
+  assert all(np.isfinite(namespace["losses"]))
 
 
 def _free_port() -> int:

@@ -7,7 +7,7 @@ activations) and the SparseCore backward (the fused row update of the
 tables). Run one after the other, each waits for the one before it. The
 pipelined step runs, in one program, the three stages of three different
 batches, so that nothing inside the step depends on another stage of the
-same step and the devices can overlap them:
+same step and the devices can overlap them::
 
   pipeline step t, fed batch t:
     1. SparseCore backward of batch t-2 (its gradients, from step t-1);
@@ -27,7 +27,7 @@ after the row updates of batches 0 .. j-1 (U_0: the initial tables).
   after batches 0 .. k-1, as unpipelined.
 
 A run of K batches takes K+2 pipeline steps (`get_pipeline_train_steps`).
-With K = 3:
+With K = 3::
 
   step t   input     SC backward   SC forward      TC stage      tables after
   0        batch 0   (zeros)       batch 0 in U_0  (none)        U_0
@@ -38,8 +38,9 @@ With K = 3:
 
 Warm-up: at steps 0 and 1 the backward stage applies the placeholder
 state's zero gradients over zero buffers. A zero buffer's row pointers end
-every partition at 0, so it references no row: tables and optimizer slots
-stay bit-identical (on every optimizer, Adagrad's accumulators included).
+every partition at 0, so it references no row, and rows a batch does not
+reference are never written: tables and optimizer slots (Adagrad's
+accumulators, say) stay bit-identical.
 Step 0 has no TensorCore stage: pass `fake_tc_step=True`, and its output is
 the placeholder (`is_output_valid` says which steps' outputs count). Drain:
 steps K and K+1 take an empty batch (`jax.tree.map(jnp.zeros_like, ...)` of
