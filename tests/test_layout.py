@@ -361,11 +361,11 @@ def test_stack_errors():
     layout.stack_tables(features, ["ta", "ta"], 1, 1)
   with pytest.raises(ValueError, match="unknown table"):
     layout.stack_tables(features, ["ta", "tc"], 1, 1)
-  with pytest.raises(ValueError, match="power of two"):
+  with pytest.raises(ValueError, match="must be a power of 2"):
     layout.stack_tables(features, ["ta", "tb"], 3, 1)
-  with pytest.raises(ValueError, match="power of two"):
+  with pytest.raises(ValueError, match="must be a power of 2"):
     layout.prepare_feature_specs_for_training(features, 2, 3)
-  with pytest.raises(ValueError, match="power of two"):
+  with pytest.raises(ValueError, match="must be a power of 2"):
     layout.auto_stack_tables(features, 6, 1)
   with pytest.raises(ValueError):
     layout.stack_tables(features, ["ta", "tb"], 0, 1)

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import strategies as st
 from reference_preprocess import reference_preprocess
 
+from pz_sparsecore.core import buffer_format as bf
 from pz_sparsecore.core import layout
 from pz_sparsecore.core import plan as plan_lib
 from pz_sparsecore.core import specs as sp
@@ -877,10 +878,53 @@ def test_sample_offsets_of_another_batch_wrap_as_upstream():
   assert list(buffers.lhs_sample_ids["t"][:n]) == [0, 1, 0, 1]
 
 
+@pytest.mark.parametrize(
+  "local, global_, sc, match",
+  [
+    # Upstream's phrases, in its order of checks, with the value.
+    (0, 2, 1, r"local_device_count must be greater than 0, got 0"),
+    (1, 0, 1, r"global_device_count must be greater than 0, got 0"),
+    (1, 2, 0, r"num_sc_per_device must be greater than 0, got 0"),
+    (
+      4,
+      2,
+      1,
+      r"global_device_count must be greater than or equal to "
+      r"local_device_count, got 2 < 4",
+    ),
+    (1, 1, 3, r"\(devices x SparseCores = 1 x 3 = 3\) must be a power of 2"),
+  ],
+)
+def test_device_count_messages(local, global_, sc, match):
+  with pytest.raises(ValueError, match=match):
+    call({"f": EXAMPLE_IDS}, local=local, global_=global_, num_sc_per_device=sc)
+
+
+def test_empty_batch_message():
+  with pytest.raises(ValueError, match="input_batches cannot be empty"):
+    pp.preprocess_sparse_dense_matmul_input(
+      {}, None, {}, 1, 1, num_sc_per_device=1
+    )
+
+
+def test_local_batch_limit(monkeypatch):
+  assert bf.MAX_LOCAL_BATCH_PER_DEVICE == 67_108_863  # upstream's 2**26 - 1
+  # 4 rows on 2 local devices: 2 samples per device; a limit of 1 refuses.
+  monkeypatch.setattr(bf, "MAX_LOCAL_BATCH_PER_DEVICE", 2)
+  call({"f": EXAMPLE_IDS})
+  monkeypatch.setattr(bf, "MAX_LOCAL_BATCH_PER_DEVICE", 1)
+  with pytest.raises(
+    ValueError,
+    match="stack 't': a local batch of 2 samples per device .* exceeds the "
+    "maximum limit supported by the SparseCore CooFormat sorting key",
+  ):
+    call({"f": EXAMPLE_IDS})
+
+
 def test_bad_configuration_raises():
   with pytest.raises(ValueError, match="sharding_strategy"):
     call({"f": EXAMPLE_IDS}, sharding_strategy="DIV")
-  with pytest.raises(ValueError, match="power of two"):
+  with pytest.raises(ValueError, match="must be a power of 2"):
     call({"f": EXAMPLE_IDS}, num_sc_per_device=3)
   with pytest.raises(ValueError, match="local_device_count"):
     call({"f": EXAMPLE_IDS}, local=4)

@@ -1,7 +1,7 @@
 """Tests of the embedding spec proto (pz_sparsecore.core.spec_proto).
 
 The schema is checked against a table written out from upstream's
-`embedding_spec.proto` (jax-tpu-embedding 0.1.0), the wire format against
+`embedding_spec.proto` (jax-tpu-embedding at 566086d), the wire format against
 hand-encoded bytes, and the layout against hand-computed values; none of
 them is derived from the module's own descriptor code.
 """
@@ -28,6 +28,11 @@ _UPSTREAM_SCHEMA = [
   ("FeatureSpecProto", "row_offset", 4, "int64", False),
   ("FeatureSpecProto", "col_offset", 5, "int64", False),
   ("FeatureSpecProto", "col_shift", 6, "int64", False),
+  ("OptimizerSpecProto", "type", 1, "OptimizerType", False),
+  ("OptimizerSpecProto", "learning_rate", 2, "float", False),
+  ("OptimizerSpecProto", "learning_rate_tag", 3, "string", False),
+  ("OptimizerSpecProto", "float_params", 4, "FloatParamsEntry", True),
+  ("OptimizerSpecProto", "bool_params", 5, "BoolParamsEntry", True),
   ("TableSpecProto", "table_name", 1, "string", False),
   ("TableSpecProto", "vocab_size", 2, "int64", False),
   ("TableSpecProto", "embedding_dim", 3, "int64", False),
@@ -38,6 +43,8 @@ _UPSTREAM_SCHEMA = [
   ("TableSpecProto", "row_offset_in_shard", 9, "int64", False),
   ("TableSpecProto", "shard_rotation", 10, "int64", False),
   ("TableSpecProto", "feature_specs", 11, "FeatureSpecProto", True),
+  ("TableSpecProto", "combiner", 12, "string", False),
+  ("TableSpecProto", "optimizer", 13, "OptimizerSpecProto", False),
   ("StackedTableSpecProto", "stack_name", 1, "string", False),
   ("StackedTableSpecProto", "stack_vocab_size", 2, "int64", False),
   ("StackedTableSpecProto", "stack_embedding_dim", 3, "int64", False),
@@ -46,6 +53,7 @@ _UPSTREAM_SCHEMA = [
   ("StackedTableSpecProto", "max_unique_ids_per_partition", 8, "int64", False),
   ("StackedTableSpecProto", "num_sparsecores", 9, "int64", False),
   ("StackedTableSpecProto", "table_specs", 10, "TableSpecProto", True),
+  ("StackedTableSpecProto", "activation_mem_bytes_limit", 11, "int64", False),
   (
     "EmbeddingSpecProto",
     "stacked_table_specs",
@@ -120,14 +128,30 @@ def _arguments(specs) -> dict:
 # Schema and wire format.
 
 
+# Upstream's OptimizerSpecProto.OptimizerType, numbered from 0.
+_UPSTREAM_OPTIMIZER_TYPES = [
+  "OPTIMIZER_TYPE_UNSPECIFIED",
+  "SGD",
+  "ADAGRAD",
+  "ADAM",
+  "FTRL",
+  "F2A",
+  "ADAGRAD_MOMENTUM",
+  "CUSTOM",
+]
+
+
 def test_schema_matches_upstream():
+  field = spec_proto.FeatureSpecProto.DESCRIPTOR.fields[0]
   type_names = {
-    spec_proto.FeatureSpecProto.DESCRIPTOR.fields[0].TYPE_STRING: "string",
-    spec_proto.FeatureSpecProto.DESCRIPTOR.fields[0].TYPE_INT64: "int64",
+    field.TYPE_STRING: "string",
+    field.TYPE_INT64: "int64",
+    field.TYPE_FLOAT: "float",
   }
   found = []
   for message in (
     "FeatureSpecProto",
+    "OptimizerSpecProto",
     "TableSpecProto",
     "StackedTableSpecProto",
     "EmbeddingSpecProto",
@@ -136,12 +160,33 @@ def test_schema_matches_upstream():
     assert descriptor.full_name == f"{_PACKAGE}.{message}"
     for field in descriptor.fields:
       kind = (
-        field.message_type.name
-        if field.message_type is not None
+        (field.message_type or field.enum_type).name
+        if field.message_type is not None or field.enum_type is not None
         else type_names[field.type]
       )
       found.append((message, field.name, field.number, kind, field.is_repeated))
   assert found == _UPSTREAM_SCHEMA
+  optimizer = spec_proto.OptimizerSpecProto.DESCRIPTOR
+  enum = optimizer.enum_types_by_name["OptimizerType"]
+  assert [v.name for v in enum.values] == _UPSTREAM_OPTIMIZER_TYPES
+  assert [v.number for v in enum.values] == list(range(8))
+  assert [
+    f.name for f in optimizer.oneofs_by_name["learning_rate_spec"].fields
+  ] == [
+    "learning_rate",
+    "learning_rate_tag",
+  ]
+  for name, value in (("float_params", "float"), ("bool_params", "bool")):
+    entry = optimizer.fields_by_name[name].message_type
+    assert entry.GetOptions().map_entry
+    key, val = entry.fields
+    assert (key.name, key.number, key.type) == ("key", 1, key.TYPE_STRING)
+    assert (val.name, val.number) == ("value", 2)
+    assert val.type == getattr(val, f"TYPE_{value.upper()}")
+  limit = spec_proto.StackedTableSpecProto.DESCRIPTOR.fields_by_name[
+    "activation_mem_bytes_limit"
+  ]
+  assert limit.has_presence  # proto3 `optional`
   assert spec_proto.DESCRIPTOR.package == _PACKAGE
   assert spec_proto.DESCRIPTOR.name == (
     "jax_tpu_embedding/sparsecore/lib/proto/embedding_spec.proto"
@@ -172,6 +217,35 @@ def test_wire_format():
   assert table.SerializeToString() == b"\x0a\x01t\x50\x02\x5a\x03\x0a\x01f"
 
 
+def test_wire_format_of_the_new_fields():
+  optimizer = spec_proto.OptimizerSpecProto(
+    type=spec_proto.OptimizerSpecProto.ADAM,
+    learning_rate=0.5,
+    float_params={"e": 2.0},
+    bool_params={"n": True},
+  )
+  # 1: ADAM (3); 2: float 0.5 (00 00 00 3f); 4: entry {1: "e", 2: 2.0f};
+  # 5: entry {1: "n", 2: true}.
+  expected = (
+    b"\x08\x03"
+    + b"\x15\x00\x00\x00\x3f"
+    + b"\x22\x08\x0a\x01e\x15\x00\x00\x00\x40"
+    + b"\x2a\x05\x0a\x01n\x10\x01"
+  )
+  assert optimizer.SerializeToString() == expected
+  tagged = spec_proto.OptimizerSpecProto(learning_rate_tag="s")
+  assert tagged.SerializeToString() == b"\x1a\x01s"
+  table = spec_proto.TableSpecProto(
+    combiner="sum", optimizer=spec_proto.OptimizerSpecProto(type=1)
+  )
+  # 12: "sum"; 13: {1: SGD}.
+  assert table.SerializeToString() == b"\x62\x03sum\x6a\x02\x08\x01"
+  stack = spec_proto.StackedTableSpecProto()
+  assert stack.SerializeToString() == b""
+  stack.activation_mem_bytes_limit = 0  # present, though 0
+  assert stack.SerializeToString() == b"\x58\x00"
+
+
 # ---------------------------------------------------------------------------
 # Specs to proto.
 
@@ -183,6 +257,7 @@ stacked_table_specs {
   stack_name: "a_b"  stack_vocab_size: 160  stack_embedding_dim: 16
   total_sample_count: 40  max_ids_per_partition: 256
   max_unique_ids_per_partition: 256  num_sparsecores: 4
+  activation_mem_bytes_limit: 2097152
   table_specs {
     table_name: "a"  vocab_size: 32  embedding_dim: 14
     padded_vocab_size: 32  padded_embedding_dim: 16
@@ -191,6 +266,7 @@ stacked_table_specs {
       feature_name: "fa"  input_shape: [16, 1]  output_shape: [16, 14]
       row_offset: 0  col_offset: 0  col_shift: 0
     }
+    combiner: "sum"  optimizer { type: SGD  learning_rate: 0.001 }
   }
   table_specs {
     table_name: "b"  vocab_size: 100  embedding_dim: 12
@@ -204,12 +280,14 @@ stacked_table_specs {
       feature_name: "fb2"  input_shape: [4, 2]  output_shape: [4, 2, 12]
       row_offset: 32  col_offset: 32  col_shift: 2
     }
+    combiner: "sum"  optimizer { type: SGD  learning_rate: 0.001 }
   }
 }
 stacked_table_specs {
   stack_name: "c"  stack_vocab_size: 1024  stack_embedding_dim: 40
   total_sample_count: 40  max_ids_per_partition: 64
   max_unique_ids_per_partition: 256  num_sparsecores: 4
+  activation_mem_bytes_limit: 2097152
   table_specs {
     table_name: "c"  vocab_size: 1000  embedding_dim: 40
     padded_vocab_size: 1024  padded_embedding_dim: 40
@@ -220,6 +298,11 @@ stacked_table_specs {
     feature_specs {
       feature_name: "yc"  input_shape: [8, 5]  output_shape: [8, 40]
       row_offset: 0
+    }
+    combiner: "sum"
+    optimizer {
+      type: ADAGRAD  learning_rate: 0.001
+      float_params { key: "initial_accumulator_value"  value: 0.1 }
     }
   }
 }

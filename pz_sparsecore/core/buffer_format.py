@@ -42,6 +42,13 @@ MAX_MINIBATCHES = 64
 buckets: each minibatch is a run of consecutive buckets. Minibatched
 buffers' sizes are per-minibatch sizes times it."""
 
+MAX_LOCAL_BATCH_PER_DEVICE = 2**26 - 1
+"""The most samples one device's share of a stack may hold (its features'
+local rows over the local devices, summed). Upstream's preprocessing sorts
+on a 64-bit key with 26 bits for them and refuses more; keeping its limit
+keeps a batch accepted here accepted there, and keeps a device's COO
+offsets in int32 up to 32 ids per sample."""
+
 PAD_ID = 2**31 - 1
 """Padding value of `embedding_ids` and `sample_ids`."""
 
@@ -68,12 +75,13 @@ def num_shards(global_device_count: int, num_sc_per_device: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
       raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if value <= 0:
-      raise ValueError(f"{name} must be a positive integer, got {value!r}")
+      raise ValueError(f"{name} must be greater than 0, got {value!r}")
   n = int(global_device_count) * int(num_sc_per_device)
   if n & (n - 1):
     raise ValueError(
-      f"devices x SparseCores must be a power of two, got "
-      f"{global_device_count} x {num_sc_per_device} = {n}"
+      f"the total number of SparseCores (devices x SparseCores = "
+      f"{global_device_count} x {num_sc_per_device} = {n}) must be a power "
+      "of 2"
     )
   return n
 

@@ -51,6 +51,7 @@ from pz_sparsecore.core.buffer_format import (
   round_up,
 )
 from pz_sparsecore.core.specs import (
+  DEFAULT_ACTIVATION_MEM_BYTES_LIMIT,
   DEFAULT_MAX_IDS_PER_PARTITION,
   DEFAULT_MAX_UNIQUE_IDS_PER_PARTITION,
   FeatureIdTransformation,
@@ -61,7 +62,6 @@ from pz_sparsecore.core.specs import (
   not_a_feature_spec,
 )
 
-DEFAULT_ACTIVATION_MEM_BYTES_LIMIT = 2 * 1024 * 1024
 _MAX_STACK_NAME_DISPLAY = 50
 _STACK_NAME_HASH_LENGTH = 12
 
@@ -209,6 +209,8 @@ def stack_tables(
   stack_to_max_unique_ids_per_partition: LimitsCallable = get_default_limits,
   stack_name: str | None = None,
   fail_on_excess_padding: bool = False,
+  *,
+  activation_mem_bytes_limit: int = DEFAULT_ACTIVATION_MEM_BYTES_LIMIT,
 ) -> Any:
   """Stacks the named tables into one physical table.
 
@@ -227,6 +229,8 @@ def stack_tables(
     stack_to_max_unique_ids_per_partition: As above for unique ids.
     stack_name: Name of the stack; defaults to the table names joined by "_".
     fail_on_excess_padding: Raise if the members' padded widths differ.
+    activation_mem_bytes_limit: The activation limit the stack was grouped
+      under, recorded in its `StackedTableSpec` (not checked here).
 
   Returns:
     New feature specs with the stack filled in.
@@ -267,7 +271,7 @@ def stack_tables(
     sum(s.padded_vocab_size for s in settings.values()),
     stack_dim,
     sample_count,
-    limits,
+    {**limits, "activation_mem_bytes_limit": activation_mem_bytes_limit},
   )
   new_tables = {
     t.name: t.replace(
@@ -360,19 +364,62 @@ def _stack_width(
 def _member_settings(
   members: list[TableSpec], stack_name: str, dim: int, rotation: int, n: int
 ) -> dict[str, TableSettingInStack]:
-  """Each member's rows in every shard: one after another, rotated by
-  `k * rotation mod N`."""
+  return compute_table_to_setting_in_stack(
+    stack_name,
+    [t.name for t in members],
+    dim,
+    {t.name: _padded_vocab(t, n) for t in members},
+    n,
+    rotation,
+  )
+
+
+def compute_table_to_setting_in_stack(
+  stack_name: str,
+  table_names: Sequence[str],
+  padded_embedding_dim: int,
+  table_to_padded_vocab_size: Mapping[str, int],
+  num_shards: int,
+  rotation: int,
+) -> dict[str, TableSettingInStack]:
+  """Each member's rows in every shard: one after another, table `k`
+  rotated by `k * rotation mod N`.
+
+  Example: tables a (padded to 32 rows) and b (128) on N = 4 shards with
+  rotation 2: a holds rows [0, 8) of every shard, b rows [8, 40), rotated
+  by 2.
+
+  Args:
+    stack_name: The stack's name.
+    table_names: The member tables, in layout order.
+    padded_embedding_dim: The stack's width.
+    table_to_padded_vocab_size: Each member's padded vocabulary (a
+      multiple of `8 * N`).
+    num_shards: `N`, the SparseCores the stack is sharded over.
+    rotation: The shard rotation step between consecutive tables.
+
+  Returns:
+    Table name -> its `TableSettingInStack`.
+
+  Raises:
+    ValueError: If a member has no padded vocabulary size.
+  """
   settings: dict[str, TableSettingInStack] = {}
   row_offset_in_shard = 0
-  for k, table in enumerate(members):
-    settings[table.name] = TableSettingInStack(
+  for k, name in enumerate(table_names):
+    if name not in table_to_padded_vocab_size:
+      raise ValueError(
+        f"stack {stack_name!r}: table {name!r} has no entry in "
+        "table_to_padded_vocab_size; give every member's padded vocabulary"
+      )
+    settings[name] = TableSettingInStack(
       stack_name=stack_name,
-      padded_vocab_size=_padded_vocab(table, n),
-      padded_embedding_dim=dim,
+      padded_vocab_size=table_to_padded_vocab_size[name],
+      padded_embedding_dim=padded_embedding_dim,
       row_offset_in_shard=row_offset_in_shard,
-      shard_rotation=(k * rotation) % n,
+      shard_rotation=(k * rotation) % num_shards,
     )
-    row_offset_in_shard += settings[table.name].padded_vocab_size // n
+    row_offset_in_shard += table_to_padded_vocab_size[name] // num_shards
   return settings
 
 
@@ -510,6 +557,7 @@ def auto_stack_tables(
         stack_to_max_unique_ids_per_partition
       ),
       stack_name=_stack_name(stack, use_short_stack_names),
+      activation_mem_bytes_limit=activation_mem_bytes_limit,
     )
   return result
 

@@ -8,10 +8,20 @@ the stats, `nn` passes both along and `viz` draws them. Their format is
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+
+
+class SparseDenseMatmulInput(NamedTuple):
+  """The four buffers of a batch, per stack name (upstream's grouping)."""
+
+  lhs_row_pointers: Mapping[str, Any]
+  lhs_embedding_ids: Mapping[str, Any]
+  lhs_sample_ids: Mapping[str, Any]
+  lhs_gains: Mapping[str, Any]
 
 
 @jax.tree_util.register_dataclass
@@ -45,6 +55,17 @@ class PreprocessedInput:
   lhs_gains: dict[str, Any]
   num_minibatches: Any = None
   sample_order: Any = None
+
+  @property
+  def sparse_dense_matmul_input(self) -> SparseDenseMatmulInput:
+    """The four buffers as one named tuple, as upstream's `PreprocessedInput`
+    holds them."""
+    return SparseDenseMatmulInput(
+      self.lhs_row_pointers,
+      self.lhs_embedding_ids,
+      self.lhs_sample_ids,
+      self.lhs_gains,
+    )
 
 
 @jax.tree_util.register_dataclass

@@ -23,11 +23,14 @@ leaves, each stack's tables likewise, each table's features in leaf order;
 the tables' own limits (`TableSpecProto` fields 5 and 6) are left unset.
 `feature_specs_from_proto` reads a layout back into prepared, frozen
 `FeatureSpec`s, in the proto's order, so writing them again gives the same
-proto. A proto carries the layout, not the training: every table's
-`initializer`, `optimizer` and `combiner` are arguments; a stack's
-`suggested_coo_buffer_size_per_device` (FDO sets it) and
-`quantization_config` come back as None; tables whose proto limits are
-unset take their stack's.
+proto. A proto carries the layout and, since upstream's schema added them,
+each table's `combiner` and `optimizer` (`core.optimizer_proto`; a schedule
+is recorded by name only), not its initializer: `initializer` is an
+argument, and `optimizer` and `combiner` are arguments that default to the
+proto's; a stack's `suggested_coo_buffer_size_per_device` (FDO sets it) and
+`quantization_config` come back as None, its `activation_mem_bytes_limit` as
+written (the default where unset); tables whose proto limits are unset take
+their stack's.
 
 Example (`N = 4` shards): tables `a` (vocab 32, dim 14) and `b` (vocab 100,
 dim 12) stacked as `a_b`, features `fa` (16 samples, table `a`), `fb1` (16
@@ -53,7 +56,7 @@ from typing import Any
 import jax
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from pz_sparsecore.core import layout
+from pz_sparsecore.core import layout, optimizer_proto
 from pz_sparsecore.core import plan as plan_lib
 from pz_sparsecore.core.buffer_format import ALIGNMENT
 from pz_sparsecore.core.specs import (
@@ -74,6 +77,9 @@ FILE_NAME = "jax_tpu_embedding/sparsecore/lib/proto/embedding_spec.proto"
 """The file name of upstream's schema."""
 
 # Upstream's schema, message by message: (field, number, declared type).
+# A declared type is a scalar (string, int64, float, bool), an enum or
+# message of the schema, `repeated T`, `optional T` (proto3's explicit
+# presence), `oneof:NAME T` (a member of oneof NAME) or `map<K, V>`.
 # Numbers 4 of TableSpecProto and 4, 5 of StackedTableSpecProto are unused
 # upstream and stay unused here.
 _SCHEMA = {
@@ -84,6 +90,13 @@ _SCHEMA = {
     ("row_offset", 4, "int64"),
     ("col_offset", 5, "int64"),
     ("col_shift", 6, "int64"),
+  ),
+  "OptimizerSpecProto": (
+    ("type", 1, "OptimizerSpecProto.OptimizerType"),
+    ("learning_rate", 2, "oneof:learning_rate_spec float"),
+    ("learning_rate_tag", 3, "oneof:learning_rate_spec string"),
+    ("float_params", 4, "map<string, float>"),
+    ("bool_params", 5, "map<string, bool>"),
   ),
   "TableSpecProto": (
     ("table_name", 1, "string"),
@@ -96,6 +109,8 @@ _SCHEMA = {
     ("row_offset_in_shard", 9, "int64"),
     ("shard_rotation", 10, "int64"),
     ("feature_specs", 11, "repeated FeatureSpecProto"),
+    ("combiner", 12, "string"),
+    ("optimizer", 13, "OptimizerSpecProto"),
   ),
   "StackedTableSpecProto": (
     ("stack_name", 1, "string"),
@@ -106,14 +121,110 @@ _SCHEMA = {
     ("max_unique_ids_per_partition", 8, "int64"),
     ("num_sparsecores", 9, "int64"),
     ("table_specs", 10, "repeated TableSpecProto"),
+    ("activation_mem_bytes_limit", 11, "optional int64"),
   ),
   "EmbeddingSpecProto": (
     ("stacked_table_specs", 1, "repeated StackedTableSpecProto"),
   ),
 }
 
+# Upstream's enums: (message, enum) -> value names, numbered from 0.
+_ENUMS = {
+  ("OptimizerSpecProto", "OptimizerType"): (
+    "OPTIMIZER_TYPE_UNSPECIFIED",
+    "SGD",
+    "ADAGRAD",
+    "ADAM",
+    "FTRL",
+    "F2A",
+    "ADAGRAD_MOMENTUM",
+    "CUSTOM",
+  ),
+}
+
 _Field = descriptor_pb2.FieldDescriptorProto
-_SCALAR_TYPES = {"string": _Field.TYPE_STRING, "int64": _Field.TYPE_INT64}
+_SCALAR_TYPES = {
+  "string": _Field.TYPE_STRING,
+  "int64": _Field.TYPE_INT64,
+  "float": _Field.TYPE_FLOAT,
+  "bool": _Field.TYPE_BOOL,
+}
+
+
+def _set_type(field: Any, type_name: str) -> None:
+  """Sets `field`'s type: a scalar, or an enum or message of the schema."""
+  if type_name in _SCALAR_TYPES:
+    field.type = _SCALAR_TYPES[type_name]
+    return
+  is_enum = tuple(type_name.split(".")) in _ENUMS
+  field.type = _Field.TYPE_ENUM if is_enum else _Field.TYPE_MESSAGE
+  field.type_name = f".{PACKAGE}.{type_name}"
+
+
+def _add_map_field(
+  message: Any, owner: str, name: str, number: int, declared: str
+) -> None:
+  """A `map<K, V>` field: a repeated nested `NameEntry` message, as protoc
+  writes it."""
+  key, value = (t.strip() for t in declared[4:-1].split(","))
+  entry_name = "".join(part.title() for part in name.split("_")) + "Entry"
+  entry = message.nested_type.add(name=entry_name)
+  entry.options.map_entry = True
+  for entry_field, entry_number, entry_type in (
+    ("key", 1, key),
+    ("value", 2, value),
+  ):
+    _set_type(
+      entry.field.add(
+        name=entry_field, number=entry_number, label=_Field.LABEL_OPTIONAL
+      ),
+      entry_type,
+    )
+  message.field.add(
+    name=name,
+    number=number,
+    label=_Field.LABEL_REPEATED,
+    type=_Field.TYPE_MESSAGE,
+    type_name=f".{PACKAGE}.{owner}.{entry_name}",
+  )
+
+
+def _add_message(file: Any, message_name: str, fields: Any) -> None:
+  message = file.message_type.add(name=message_name)
+  for (owner, enum_name), values in _ENUMS.items():
+    if owner == message_name:
+      enum = message.enum_type.add(name=enum_name)
+      for number, value in enumerate(values):
+        enum.value.add(name=value, number=number)
+  oneofs: list[str] = []
+  synthetic: list[tuple[Any, str]] = []
+  for field_name, number, declared in fields:
+    if declared.startswith("map<"):
+      _add_map_field(message, message_name, field_name, number, declared)
+      continue
+    *qualifier, type_name = declared.split()
+    field = message.field.add(
+      name=field_name,
+      number=number,
+      label=_Field.LABEL_REPEATED
+      if qualifier == ["repeated"]
+      else _Field.LABEL_OPTIONAL,
+    )
+    _set_type(field, type_name)
+    if qualifier and qualifier[0].startswith("oneof:"):
+      oneof = qualifier[0].removeprefix("oneof:")
+      if oneof not in oneofs:
+        oneofs.append(oneof)
+      field.oneof_index = oneofs.index(oneof)
+    elif qualifier == ["optional"]:
+      field.proto3_optional = True
+      synthetic.append((field, f"_{field_name}"))
+  # protoc declares a proto3 `optional`'s synthetic oneof after the real ones.
+  for field, oneof in synthetic:
+    field.oneof_index = len(oneofs)
+    oneofs.append(oneof)
+  for oneof in oneofs:
+    message.oneof_decl.add(name=oneof)
 
 
 def _file_descriptor_proto() -> descriptor_pb2.FileDescriptorProto:
@@ -123,19 +234,7 @@ def _file_descriptor_proto() -> descriptor_pb2.FileDescriptorProto:
   )
   file.options.java_multiple_files = True
   for message_name, fields in _SCHEMA.items():
-    message = file.message_type.add(name=message_name)
-    for field_name, number, declared in fields:
-      *repeated, type_name = declared.split()
-      field = message.field.add(
-        name=field_name,
-        number=number,
-        label=_Field.LABEL_REPEATED if repeated else _Field.LABEL_OPTIONAL,
-      )
-      if type_name in _SCALAR_TYPES:
-        field.type = _SCALAR_TYPES[type_name]
-      else:
-        field.type = _Field.TYPE_MESSAGE
-        field.type_name = f".{PACKAGE}.{type_name}"
+    _add_message(file, message_name, fields)
   return file
 
 
@@ -153,9 +252,28 @@ def _message_class(name: str) -> type:
 
 
 FeatureSpecProto = _message_class("FeatureSpecProto")
+OptimizerSpecProto = _message_class("OptimizerSpecProto")
 TableSpecProto = _message_class("TableSpecProto")
 StackedTableSpecProto = _message_class("StackedTableSpecProto")
 EmbeddingSpecProto = _message_class("EmbeddingSpecProto")
+
+
+def optimizer_spec_to_proto(
+  optimizer: OptimizerSpec | None,
+) -> OptimizerSpecProto | None:
+  """A table's optimizer as an `OptimizerSpecProto` (`core.optimizer_proto`
+  describes the message); None for None."""
+  if optimizer is None:
+    return None
+  return optimizer_proto.write(optimizer, OptimizerSpecProto)
+
+
+def proto_to_optimizer_spec(proto: Any | None) -> OptimizerSpec:
+  """The frozen optimizer spec an `OptimizerSpecProto` describes; SGD with
+  learning rate 0 for None (as upstream)."""
+  if proto is None:
+    return optimizer_proto.read(OptimizerSpecProto(learning_rate=0.0))
+  return optimizer_proto.read(proto)
 
 
 # ---------------------------------------------------------------------------
@@ -223,6 +341,7 @@ def create_proto_from_feature_specs(
         max_ids_per_partition=stacked.max_ids_per_partition,
         max_unique_ids_per_partition=stacked.max_unique_ids_per_partition,
         num_sparsecores=num_sparsecores,
+        activation_mem_bytes_limit=stacked.activation_mem_bytes_limit,
       )
     if table.name not in tables:
       setting = table.setting_in_stack
@@ -234,6 +353,8 @@ def create_proto_from_feature_specs(
         padded_embedding_dim=setting.padded_embedding_dim,
         row_offset_in_shard=setting.row_offset_in_shard,
         shard_rotation=setting.shard_rotation,
+        combiner=table.combiner,
+        optimizer=optimizer_spec_to_proto(table.optimizer),
       )
     transform = feature.id_transformation
     tables[table.name].feature_specs.add(
@@ -333,6 +454,26 @@ def _per_table(value: Any, argument: str, tables: list[str]) -> dict[str, Any]:
       f"has {tables})"
     )
   return dict(value)
+
+
+def _from_tables(
+  proto: EmbeddingSpecProto, field: str, convert: Any
+) -> dict[str, Any]:
+  """Table name -> its `TableSpecProto` `field`, converted; raises naming
+  the first table without one."""
+  values = {}
+  for stack in proto.stacked_table_specs:
+    for table in stack.table_specs:
+      present = (
+        table.HasField(field) if field == "optimizer" else getattr(table, field)
+      )
+      if not present:
+        raise ValueError(
+          f"table {table.table_name!r} (stack {stack.stack_name!r}) has no "
+          f"{field} in the proto; pass {field}="
+        )
+      values[table.table_name] = convert(getattr(table, field))
+  return values
 
 
 def _stack_setting(
@@ -480,6 +621,11 @@ def _stack_specs(
     max_ids_per_partition=stack.max_ids_per_partition,
     max_unique_ids_per_partition=stack.max_unique_ids_per_partition,
     dtype=_stack_setting(stack, arguments["dtype"], "dtype"),
+    **(
+      {"activation_mem_bytes_limit": stack.activation_mem_bytes_limit}
+      if stack.HasField("activation_mem_bytes_limit")
+      else {}
+    ),
   )
   tables, features = [], []
   for table_proto in stack.table_specs:
@@ -504,16 +650,17 @@ def feature_specs_from_proto(
   proto: EmbeddingSpecProto,
   *,
   initializer: Initializer | Mapping[str, Initializer],
-  optimizer: OptimizerSpec | Mapping[str, OptimizerSpec],
-  combiner: str | Mapping[str, str],
+  optimizer: OptimizerSpec | Mapping[str, OptimizerSpec] | None = None,
+  combiner: str | Mapping[str, str] | None = None,
   dtype: Any = "float32",
   activation_dtype: Any = "float32",
 ) -> list[FeatureSpec]:
   """Prepared `FeatureSpec`s of the layout an `EmbeddingSpecProto` describes.
 
-  The proto does not hold what trains the tables; give each either one
-  value for every table or a mapping from table name to value. Tables of
-  one stack must share their optimizer and combiner. The specs are ready
+  The proto does not hold the tables' initializers; give each either one
+  value for every table or a mapping from table name to value, as for the
+  optimizer and combiner, which default to the proto's. Tables of one
+  stack must share their optimizer and combiner. The specs are ready
   for any `G x S` topology with `G * S` equal to the proto's
   `num_sparsecores`.
 
@@ -521,8 +668,11 @@ def feature_specs_from_proto(
     proto: The layout: an `EmbeddingSpecProto` of this module, or of
       upstream's `embedding_spec_pb2`.
     initializer: The tables' initializers.
-    optimizer: The tables' optimizers.
-    combiner: The tables' combiners ("sum", "mean" or "sqrtn").
+    optimizer: The tables' optimizers; None reads each table's
+      `TableSpecProto.optimizer` (a learning-rate schedule comes back as a
+      `CallablePlaceholder`, which names it and cannot be evaluated).
+    combiner: The tables' combiners ("sum", "mean" or "sqrtn"); None reads
+      each table's `TableSpecProto.combiner`.
     dtype: How the tables' rows are stored (`TableSpec(dtype=...)`; the
       proto, upstream's schema, has no field for it): float32 (the
       default), bfloat16 or float16. Tables of one stack share it.
@@ -540,11 +690,16 @@ def feature_specs_from_proto(
     ValueError: Naming the stack, table or feature, if the proto misses a
       name, a table or a feature, repeats a name, is not a consistent
       layout on its `num_sparsecores`, or if an argument misses a table or
-      differs between the tables of a stack.
+      differs between the tables of a stack, or if the optimizer or combiner
+      is None and a table's proto has none.
   """
   proto = _as_embedding_spec(proto)
   n = _num_sparsecores(proto)
   tables = _check_names(proto)
+  if optimizer is None:
+    optimizer = _from_tables(proto, "optimizer", proto_to_optimizer_spec)
+  if combiner is None:
+    combiner = _from_tables(proto, "combiner", str)
   arguments = {
     "initializer": _per_table(initializer, "initializer", tables),
     "optimizer": _per_table(optimizer, "optimizer", tables),

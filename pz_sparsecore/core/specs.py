@@ -41,6 +41,9 @@ from pz_sparsecore.core import optimizers
 COMBINERS = ("sum", "mean", "sqrtn")
 DEFAULT_MAX_IDS_PER_PARTITION = 256
 DEFAULT_MAX_UNIQUE_IDS_PER_PARTITION = 256
+DEFAULT_ACTIVATION_MEM_BYTES_LIMIT = 2 * 1024 * 1024
+"""The activation bytes per SparseCore up to which `auto_stack_tables` puts
+tables in one stack (2 MiB), recorded in the `StackedTableSpec`."""
 
 Initializer = Callable[..., jax.Array]
 LearningRate = float | Callable[..., Any]
@@ -776,9 +779,13 @@ class StackedTableSpec:
   suggested_coo_buffer_size_per_device: int | None = None
   quantization_config: Any = None
   dtype: Any = jnp.float32
+  activation_mem_bytes_limit: int = DEFAULT_ACTIVATION_MEM_BYTES_LIMIT
 
   def __post_init__(self):
     owner = f"stack {self.stack_name!r}"
+    _check_positive_int(
+      owner, "activation_mem_bytes_limit", self.activation_mem_bytes_limit
+    )
     object.__setattr__(self, "dtype", table_dtype(owner, self.dtype))
     _check_positive_int(owner, "stack_vocab_size", self.stack_vocab_size)
     _check_positive_int(owner, "stack_embedding_dim", self.stack_embedding_dim)

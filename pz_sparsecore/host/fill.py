@@ -80,6 +80,7 @@ def fill(
   first_feature = coo_input.splits_from_lengths(
     [len(s.features) for s in plan.stacks]
   )
+  _check_local_batch(plan, rows_per_sc, first_feature)
   item_size = _item_sizes(batch, rows_per_sc, first_feature, items_per_stack)
   coo_per_sc = np.array([s.coo_per_sc for s in plan.stacks], np.int64)
   if unbounded:
@@ -227,6 +228,24 @@ def _rows_per_sc(
       f"output_shape {spec.output_shape} ({spec.sample_count} samples)"
     )
   return rows
+
+
+def _check_local_batch(
+  plan: plan_lib.Plan, rows_per_sc: np.ndarray, first_feature: np.ndarray
+) -> None:
+  """Refuses a stack whose samples per device exceed
+  `buffer_format.MAX_LOCAL_BATCH_PER_DEVICE`."""
+  per_device = np.add.reduceat(rows_per_sc, first_feature[:-1])
+  per_device *= plan.num_sc_per_device
+  limit = buffer_format.MAX_LOCAL_BATCH_PER_DEVICE
+  for stack, samples in zip(plan.stacks, per_device, strict=True):
+    if samples > limit:
+      raise ValueError(
+        f"stack {stack.spec.stack_name!r}: a local batch of {samples} samples"
+        " per device (its features' rows, summed) exceeds the maximum limit "
+        f"supported by the SparseCore CooFormat sorting key ({limit}); split "
+        "the batch over more devices or steps"
+      )
 
 
 def _item_sizes(

@@ -83,6 +83,7 @@ from pz_sparsecore.core.preprocessed import (
   PreprocessedInput,
   SparseDenseMatmulInputStats,
 )
+from pz_sparsecore.core.specs import FeatureSpec
 from pz_sparsecore.host import fill as fill_lib
 from pz_sparsecore.host import minibatching, ragged_input, sample_order
 
@@ -199,15 +200,34 @@ def input_shapes(
 def _check_device_counts(
   local_device_count: int, global_device_count: int, num_sc_per_device: int
 ) -> None:
-  buffer_format.num_shards(global_device_count, num_sc_per_device)
-  if (
-    isinstance(local_device_count, bool)
-    or not isinstance(local_device_count, (int, np.integer))
-    or not 0 < local_device_count <= global_device_count
+  """Checks the counts in upstream's order (and with its words)."""
+  if isinstance(local_device_count, bool) or not isinstance(
+    local_device_count, (int, np.integer)
   ):
     raise ValueError(
-      f"local_device_count must be an integer in [1, global_device_count="
-      f"{global_device_count}], got {local_device_count!r}"
+      f"local_device_count must be a positive integer, got "
+      f"{local_device_count!r}"
+    )
+  if local_device_count <= 0:
+    raise ValueError(
+      f"local_device_count must be greater than 0, got {local_device_count}"
+    )
+  buffer_format.num_shards(global_device_count, num_sc_per_device)
+  if global_device_count < local_device_count:
+    raise ValueError(
+      "global_device_count must be greater than or equal to "
+      f"local_device_count, got {global_device_count} < {local_device_count}"
+    )
+
+
+def _check_not_empty(feature_specs: Any) -> None:
+  if not jax.tree.leaves(
+    feature_specs, is_leaf=lambda x: isinstance(x, FeatureSpec)
+  ):
+    raise ValueError(
+      "input_batches cannot be empty: feature_specs "
+      f"{feature_specs!r} holds no FeatureSpec; pass at least one feature "
+      "and its batch"
     )
 
 
@@ -276,6 +296,7 @@ def preprocess_sparse_dense_matmul_input(
   _check_device_counts(
     local_device_count, global_device_count, num_sc_per_device
   )
+  _check_not_empty(feature_specs)
   return preprocess_for_plan(
     plan_lib.build(
       feature_specs,

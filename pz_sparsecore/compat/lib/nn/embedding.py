@@ -15,10 +15,15 @@ import jax
 import numpy as np
 
 from pz_sparsecore.compat.lib.core._sharding import ShardingStrategy
-from pz_sparsecore.compat.lib.nn import embedding_spec, table_stacking
+from pz_sparsecore.compat.lib.nn import (
+  embedding_proto_utils,
+  embedding_spec,
+  table_stacking,
+)
 from pz_sparsecore.compat.utils import utils
 from pz_sparsecore.core import buffer_format, layout
 from pz_sparsecore.core import plan as plan_lib
+from pz_sparsecore.core.preprocessed import SparseDenseMatmulInput
 from pz_sparsecore.device import routing
 from pz_sparsecore.device import topology as topology_lib
 from pz_sparsecore.host import fdo, minibatching, sparse_coo
@@ -38,13 +43,17 @@ __all__ = [
   "compute_theoretical_max_coo_buffer_size",
   "create_proto_from_feature_specs",
   "eval_preprocess_sparse_dense_matmul_input_shape",
+  "get_optimizer_class",
+  "get_optimizer_type",
   "get_stacked_table_specs",
   "get_table_specs",
   "init_embedding_variables",
   "Nested",
+  "optimizer_spec_to_proto",
   "prepare_feature_specs_for_training",
   "preprocess_sparse_dense_matmul_input",
   "preprocess_sparse_dense_matmul_input_from_sparse_tensor",
+  "proto_to_optimizer_spec",
   "sharding_strategy_to_enum",
   "tpu_sparse_dense_matmul",
   "tpu_sparse_dense_matmul_grad",
@@ -66,13 +75,6 @@ class EmbeddingVariablesInitializer(NamedTuple):
 class EmbeddingVariables(NamedTuple):
   table: Any
   slot: Any
-
-
-class SparseDenseMatmulInput(NamedTuple):
-  lhs_row_pointers: Mapping[str, Any]
-  lhs_embedding_ids: Mapping[str, Any]
-  lhs_sample_ids: Mapping[str, Any]
-  lhs_gains: Mapping[str, Any]
 
 
 class SparseDenseMatmulInputStats(pz_preprocess.SparseDenseMatmulInputStats):
@@ -300,29 +302,42 @@ def eval_preprocess_sparse_dense_matmul_input_shape(
 
 def update_preprocessing_parameters(
   feature_specs: Any,
-  stats: SparseDenseMatmulInputStats,
+  updated_params: SparseDenseMatmulInputStats | None = None,
   num_sc_per_device: int | None = None,
+  *,
+  stats: SparseDenseMatmulInputStats | None = None,
 ) -> None:
-  """Sets the stacks' limits and buffer sizes from `stats`, in place."""
+  """Sets the stacks' limits and buffer sizes from the stats, in place.
+
+  Args:
+    feature_specs: The prepared compat specs.
+    updated_params: The stats (upstream's name for this argument).
+    num_sc_per_device: SparseCores per device (default: the host's).
+    stats: The same stats under pz_sparsecore's name; give one of the two.
+
+  Raises:
+    ValueError: If neither or both of `updated_params` and `stats` are given.
+  """
+  if (updated_params is None) == (stats is None):
+    raise ValueError(
+      "update_preprocessing_parameters: pass the stats once, as "
+      "updated_params (upstream's name) or stats"
+    )
+  stats = updated_params if stats is None else stats
   frozen = fdo.update_preprocessing_parameters(
     embedding_spec.to_pz(feature_specs), stats, _num_sc(num_sc_per_device)
   )
   embedding_spec.write_back(feature_specs, frozen)
 
 
-def create_proto_from_feature_specs(
-  feature_specs: Any,
-  global_device_count: int | None,
-  num_sparsecore_per_device: int | None = None,
-) -> Any:
-  """The `EmbeddingSpecProto` of the specs (`pz_sparsecore.core.spec_proto`)."""
-  from pz_sparsecore.core import spec_proto
-
-  return spec_proto.create_proto_from_feature_specs(
-    embedding_spec.to_pz(feature_specs),
-    global_device_count,
-    _num_sc(num_sparsecore_per_device),
-  )
+# Upstream's embedding re-exports its proto helpers.
+create_proto_from_feature_specs = (
+  embedding_proto_utils.create_proto_from_feature_specs
+)
+get_optimizer_class = embedding_proto_utils.get_optimizer_class
+get_optimizer_type = embedding_proto_utils.get_optimizer_type
+optimizer_spec_to_proto = embedding_proto_utils.optimizer_spec_to_proto
+proto_to_optimizer_spec = embedding_proto_utils.proto_to_optimizer_spec
 
 
 # ---------------------------------------------------------------------------
@@ -343,7 +358,7 @@ def _shard_variables(
       )
       slots = table.optimizer.slot_variables_initializers()
       # Each slot at its width (a row-wise slot: one value per row).
-      optimizer = embedding_spec._optimizer_to_pz(table.optimizer)
+      optimizer = embedding_spec.optimizer_to_pz(table.optimizer)
       widths = optimizer.definition.slot_widths(shape[1])
       blocks.append(
         EmbeddingVariables(

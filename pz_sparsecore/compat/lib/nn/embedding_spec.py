@@ -24,9 +24,11 @@ from typing import Any
 import jax
 
 from pz_sparsecore.compat.lib.core.primitives import optimizer_primitives
-from pz_sparsecore.core import optimizers
+from pz_sparsecore.core import optimizer_proto, optimizers
 from pz_sparsecore.core import specs as frozen_specs
+from pz_sparsecore.core.optimizer_proto import CallablePlaceholder
 from pz_sparsecore.core.specs import (
+  DEFAULT_ACTIVATION_MEM_BYTES_LIMIT,
   FeatureIdTransformation,
   QuantizationConfig,
   StackedTableSpec,
@@ -40,7 +42,9 @@ __all__ = [
   "AdagradSlotVariables",
   "AdamOptimizerSpec",
   "AdamSlotVariables",
+  "CallablePlaceholder",
   "CustomOptimizerSpec",
+  "DEFAULT_ACTIVATION_MEM_BYTES_LIMIT",
   "F2AOptimizerSpec",
   "F2ASlotVariables",
   "FTRLOptimizerSpec",
@@ -49,6 +53,8 @@ __all__ = [
   "FeatureSpec",
   "LaPropOptimizerSpec",
   "LaPropSlotVariables",
+  "LearningRate",
+  "NumericParameter",
   "OptimizerSpec",
   "QuantizationConfig",
   "SGDOptimizerSpec",
@@ -56,9 +62,17 @@ __all__ = [
   "StackedTableSpec",
   "TableSettingInStack",
   "TableSpec",
+  "optimizer_from_pz",
+  "optimizer_to_pz",
   "to_pz",
   "write_back",
 ]
+
+
+NumericParameter = jax.typing.ArrayLike
+"""A hyper-parameter's value: a number or a scalar array."""
+LearningRate = NumericParameter | Callable[..., NumericParameter]
+"""A learning rate: a value, or a callable of no argument or of the step."""
 
 
 def _slot_variables(prefix: str, type_name: str | None = None) -> type:
@@ -171,6 +185,32 @@ class OptimizerSpec:
     """The optimizer's update primitive (see `optimizer_primitives`)."""
     return optimizer_primitives.primitive(self._KERNEL_NAME)
 
+  def get_float_params(self) -> dict[str, float]:
+    """The float hyper-parameters but the learning rate, by name, as an
+    `OptimizerSpecProto` records them."""
+    return optimizer_proto.hyperparameters(self.to_pz())[0]
+
+  def get_bool_params(self) -> dict[str, bool]:
+    """The bool hyper-parameters, by name, as an `OptimizerSpecProto`
+    records them."""
+    return optimizer_proto.hyperparameters(self.to_pz())[1]
+
+  @classmethod
+  def from_float_and_bool_params(
+    cls,
+    float_params: dict[str, float],
+    bool_params: dict[str, bool],
+    learning_rate: LearningRate,
+  ) -> OptimizerSpec:
+    """A spec of this class from an `OptimizerSpecProto`'s parameters (names
+    the class does not have are ignored)."""
+    frozen = getattr(frozen_specs, cls.__name__)
+    return cls(
+      **optimizer_proto.from_hyperparameters(
+        frozen, float_params, bool_params, learning_rate
+      )
+    )
+
   def __hash__(self) -> int:
     return hash(tuple(self._values().items()))
 
@@ -224,12 +264,28 @@ class CustomOptimizerSpec(OptimizerSpec):
     return tuple(self.slot_variable_initializers_tuple)
 
 
-def _optimizer_to_pz(optimizer: Any) -> frozen_specs.OptimizerSpec:
+def optimizer_to_pz(optimizer: Any) -> frozen_specs.OptimizerSpec:
+  """The frozen spec of a compat optimizer spec (a frozen one is returned).
+
+  Raises:
+    ValueError: If `optimizer` is not an optimizer spec.
+  """
   if isinstance(optimizer, OptimizerSpec):
     return optimizer.to_pz()
   if isinstance(optimizer, frozen_specs.OptimizerSpec):
     return optimizer
   raise ValueError(f"optimizer must be an OptimizerSpec, got {optimizer!r}")
+
+
+def optimizer_from_pz(optimizer: frozen_specs.OptimizerSpec) -> OptimizerSpec:
+  """The compat spec of the class named as a frozen spec, with its values."""
+  cls = globals()[type(optimizer).__name__]
+  return cls(
+    **{
+      field.name: getattr(optimizer, field.name)
+      for field in dataclasses.fields(optimizer)
+    }
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -379,7 +435,7 @@ def _stacked_to_pz(stacked: StackedTableSpec | None) -> StackedTableSpec | None:
     stacked.optimizer, frozen_specs.OptimizerSpec
   ):
     return stacked
-  return stacked.replace(optimizer=_optimizer_to_pz(stacked.optimizer))
+  return stacked.replace(optimizer=optimizer_to_pz(stacked.optimizer))
 
 
 def table_to_pz(
@@ -395,7 +451,7 @@ def table_to_pz(
     vocabulary_size=table.vocabulary_size,
     embedding_dim=table.embedding_dim,
     initializer=table.initializer,
-    optimizer=_optimizer_to_pz(table.optimizer),
+    optimizer=optimizer_to_pz(table.optimizer),
     combiner=table.combiner,
     max_ids_per_partition=table.max_ids_per_partition,
     max_unique_ids_per_partition=table.max_unique_ids_per_partition,

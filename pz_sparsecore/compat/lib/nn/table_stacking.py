@@ -18,12 +18,16 @@ from pz_sparsecore.compat.lib.nn import embedding_spec
 from pz_sparsecore.core import layout
 from pz_sparsecore.core.layout import (
   compute_physical_row_ids,
+  compute_table_to_setting_in_stack,
   get_default_limits,
 )
+from pz_sparsecore.core.specs import DEFAULT_ACTIVATION_MEM_BYTES_LIMIT
 
 __all__ = [
+  "DEFAULT_ACTIVATION_MEM_BYTES_LIMIT",
   "auto_stack_tables",
   "compute_physical_row_ids",
+  "compute_table_to_setting_in_stack",
   "get_default_limits",
   "get_row_ids_in_stacked_table",
   "get_row_ids_in_stacked_tables",
@@ -47,7 +51,10 @@ def stack_tables(
 
 
 def auto_stack_tables(features: Any, *args: Any, **kwargs: Any) -> None:
-  """Stacks every group of compatible tables, in place."""
+  """Stacks every group of compatible tables, in place
+  (`activation_mem_bytes_limit=None` is the default limit, as upstream)."""
+  if kwargs.get("activation_mem_bytes_limit", 0) is None:
+    kwargs["activation_mem_bytes_limit"] = DEFAULT_ACTIVATION_MEM_BYTES_LIMIT
   frozen = layout.auto_stack_tables(
     embedding_spec.to_pz(features), *args, **kwargs
   )

@@ -8,6 +8,7 @@ from pz_sparsecore.core.spec_proto import (
   DESCRIPTOR,
   EmbeddingSpecProto,
   FeatureSpecProto,
+  OptimizerSpecProto,
   StackedTableSpecProto,
   TableSpecProto,
 )
@@ -16,6 +17,7 @@ __all__ = [
   "DESCRIPTOR",
   "EmbeddingSpecProto",
   "FeatureSpecProto",
+  "OptimizerSpecProto",
   "StackedTableSpecProto",
   "TableSpecProto",
 ]
