@@ -84,8 +84,13 @@ def _segment(
   ).astype(jnp.int32)
   ends = starts + kept
   tail = starts[-1] + aligned[-1]
-  rp = jnp.full((stack.row_pointers_per_sc,), tail, jnp.int32)
-  rp = rp.at[:n].set(ends)
+  # Not `.at[:n].set`: a static slice's scatter carries an empty index
+  # constant, hoisted into the shard_map as an input it never reads, which
+  # crashes jaxlib 0.11's Shardy canonicalizer (a segfault at compile time).
+  rest = stack.row_pointers_per_sc - n
+  rp = ends
+  if rest:
+    rp = jnp.concatenate([ends, jnp.full((rest,), tail, jnp.int32)])
   p = jnp.minimum(part, n - 1)
   rank = jnp.arange(m, dtype=jnp.int32) - first[p]
   write = (part < n) & (rank < limit)

@@ -313,8 +313,13 @@ def _physical(values: jax.Array, config: LookupConfig):
   setting = stack.tables[0].setting_in_stack
   n = config.topology.num_shards
   rows = setting.padded_vocab_size // n
-  padded = jnp.zeros((setting.padded_vocab_size, stack.dim), values.dtype)
-  padded = padded.at[: values.shape[0], : values.shape[1]].set(values)
+  padded = jnp.pad(
+    values,
+    (
+      (0, setting.padded_vocab_size - values.shape[0]),
+      (0, stack.dim - values.shape[1]),
+    ),
+  )
   sharded = padded.reshape(rows, n, stack.dim).swapaxes(0, 1)
   sharded = jnp.roll(sharded, setting.shard_rotation, axis=0)
   out = jnp.zeros((n, stack.rows_per_shard, stack.dim), values.dtype)
@@ -585,8 +590,13 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
       inputs = host
       embed_lib.check_inputs(_host_config(config, samples), inputs)
     else:
-      padded = jnp.full((samples,), build.NO_ID, jnp.int32)
-      padded = padded.at[: flat.size].set(flat.astype(jnp.int32))
+      # A pad, not `.at[:n].set`: jaxlib 0.11's SPMD partitioner aborts
+      # on that scatter when the ids are sharded (Penzai's sampling loop).
+      padded = jnp.pad(
+        flat.astype(jnp.int32),
+        (0, samples - flat.size),
+        constant_values=build.NO_ID,
+      )
       inputs, dropped = build.build_inputs(
         plan, config.topology, {config.feature: padded}
       )
