@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import test_kernel_fuzz as fuzz
+from numerics import assert_close
 from test_kernels import HYPERPARAMETERS, MLR, make_buffers
 
 import pz_sparsecore as pzsc
@@ -149,7 +150,7 @@ def test_forward_matches_reference(case, quantization):
   got = fwd(*map(_on_gpu, bufs), _on_gpu(table), implementation="ffi")
   assert got.devices() == {GPUS[0]}
   want = fwd(*map(_on_cpu, bufs), _on_cpu(table), implementation="reference")
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), 1e-5, 1e-5)
+  assert_close(np.asarray(got), np.asarray(want), 1e-5, 1e-5)
 
 
 def _step(optimizer, static, layout):
@@ -238,7 +239,7 @@ def _check_update(ids, vocab, dim, num_sc, optimizer, seed, eighths=False):
     jax.tree.leaves(again),
     strict=True,
   ):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), 1e-4, 1e-4)
+    assert_close(np.asarray(g), np.asarray(w), 1e-4, 1e-4)
     # Deterministic: the same call gives the same bits.
     np.testing.assert_array_equal(np.asarray(g), np.asarray(a))
 
@@ -272,9 +273,9 @@ def test_hot_row_longer_than_a_warp_run():
   row0 = act.astype(np.float64).sum(0) + act[::vocab].astype(np.float64).sum(0)
   acc = 0.1 + row0**2
   expect = np.clip(table[0] - hp[0] * row0 / np.sqrt(acc), -0.5, 0.5)
-  np.testing.assert_allclose(np.asarray(got[0])[0], expect, 1e-4, 1e-4)
+  assert_close(np.asarray(got[0])[0], expect, 1e-4, 1e-4)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), 1e-4, 1e-4)
+    assert_close(np.asarray(g), np.asarray(w), 1e-4, 1e-4)
 
 
 @pytest.mark.parametrize("dim", [64, 7])
@@ -318,19 +319,15 @@ def test_16_bit_tables_on_gpu_match_the_cpu_handler(optimizer, dtype, dim):
   got_out, (got_t, got_s) = run(_on_gpu)
   again_out, (again_t, _) = run(_on_gpu)
   assert got_t.dtype == dtype
-  np.testing.assert_allclose(
-    np.asarray(got_out), np.asarray(want_out), 1e-5, 1e-5
-  )
+  assert_close(np.asarray(got_out), np.asarray(want_out), 1e-5, 1e-5)
   for g, w in zip(got_s, want_s, strict=True):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), 1e-4, 1e-5)
+    assert_close(np.asarray(g), np.asarray(w), 1e-4, 1e-5)
   bits = lambda x: np.asarray(x).view(np.uint16).astype(np.int64)  # noqa: E731
   diff = np.abs(bits(got_t) - bits(want_t))
   assert diff.max() <= 1 and (diff == 0).mean() > 0.98
   np.testing.assert_array_equal(bits(got_t), bits(again_t))
   # The forward adds with float atomics: its last bits vary between calls.
-  np.testing.assert_allclose(
-    np.asarray(again_out), np.asarray(got_out), 1e-6, 1e-6
-  )
+  assert_close(np.asarray(again_out), np.asarray(got_out), 1e-6, 1e-6)
 
 
 # --- hostile buffers ----------------------------------------------------------
@@ -370,7 +367,7 @@ def test_random_buffers_match_truth_on_gpu():
       got = kernels.sparse_dense_matmul(
         *b.args(), jnp.asarray(table), implementation="ffi", **b.layout()
       )
-    np.testing.assert_allclose(np.asarray(got), want, 1e-5, 1e-5)
+    assert_close(np.asarray(got), want, 1e-5, 1e-5)
 
 
 def test_refused_call_under_jit_changes_nothing_and_is_raised_when_ready():
@@ -398,7 +395,7 @@ def test_refused_call_under_jit_changes_nothing_and_is_raised_when_ready():
     )
     got = fwd(*good.buffers(), table)
     want = fwd(*map(_on_cpu, good.buffers()), _on_cpu(table))
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), 1e-6, 1e-6)
+    assert_close(np.asarray(got), np.asarray(want), 1e-6, 1e-6)
     kernels.raise_device_errors()
 
 

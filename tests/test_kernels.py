@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import assert_close, draw_slot
 
 import pz_sparsecore as pzsc
 from pz_sparsecore.core import buffer_format, optimizers
@@ -174,29 +175,13 @@ def _table(buf: Buffers, dim: int, seed: int, partitions=None) -> np.ndarray:
 
 
 def _slots(optimizer: str, table: np.ndarray, seed: int) -> tuple:
+  """Random values of `optimizer`'s slots for `table`, each at its width (a
+  row-wise accumulator: `[rows, 1]`) and in its domain (`draw_slot`)."""
   rng = np.random.default_rng(seed)
-  out = []
-  for i, slot in enumerate(optimizers.REGISTRY[optimizer].slots):
-    # Each slot at its width (a row-wise accumulator: [rows, 1]).
-    shape = (*table.shape[:-1], slot.width(table.shape[-1]))
-    if optimizer in ACCUMULATOR_FIRST and i == 0:
-      out.append(rng.uniform(0.1, 1.0, shape).astype(np.float32))
-    elif optimizer in ("adam", "laprop") and i == 1:
-      out.append(rng.uniform(0.0, 0.5, shape).astype(np.float32))
-    elif optimizer == "f2a":  # local_step: a count of updates.
-      out.append(rng.integers(0, 5, shape).astype(np.float32))
-    else:
-      out.append(rng.normal(size=shape).astype(np.float32) * 0.1)
-  return tuple(out)
-
-
-ACCUMULATOR_FIRST = (
-  "adagrad",
-  "adagrad_momentum",
-  "ftrl",
-  "f2a",
-  "rowwise_adagrad",
-)
+  return tuple(
+    draw_slot(slot, (*table.shape[:-1], slot.width(table.shape[-1])), rng)
+    for slot in optimizers.REGISTRY[optimizer].slots
+  )
 
 
 HYPERPARAMETERS = {
@@ -257,7 +242,7 @@ def test_forward_matches_truth(case, dim):
   want = dense_forward(buf, table)
   for impl in ("ffi", "reference"):
     got = _forward(buf, table, impl)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=impl)
+    assert_close(got, want, rtol=1e-5, atol=1e-5, err_msg=impl)
 
 
 @pytest.mark.parametrize(
@@ -273,7 +258,7 @@ def test_forward_partition_window(partition_begin, num_table_partitions):
   want = dense_forward(buf, window, partition_begin)
   for impl in ("ffi", "reference"):
     got = _forward(buf, window, impl, partition_begin)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=impl)
+    assert_close(got, want, rtol=1e-5, atol=1e-5, err_msg=impl)
 
 
 def decode_truth(buf: Buffers) -> list[tuple[int, int, int, int, float]]:
@@ -312,9 +297,7 @@ def test_overflowed_row_pointers(impl):
   assert not any(e[1] == 3 for e in buf.entries)
   table = _table(buf, 4, seed=1)
   got = _forward(buf, table, impl)
-  np.testing.assert_allclose(
-    got, dense_forward(buf, table), rtol=1e-5, atol=1e-5
-  )
+  assert_close(got, dense_forward(buf, table), rtol=1e-5, atol=1e-5)
   act_grad = np.ones((buf.samples_per_segment, 4), np.float32)
   new, _ = _grad_call(
     buf, act_grad, table, (), "sgd", [1.0], impl, **buf.layout()
@@ -322,7 +305,7 @@ def test_overflowed_row_pointers(impl):
   want = table.astype(np.float64).copy()
   for r, g in row_grads(buf, act_grad, table.shape[0]).items():
     want[r] -= g
-  np.testing.assert_allclose(new, want, rtol=1e-5, atol=1e-6)
+  assert_close(new, want, rtol=1e-5, atol=1e-6)
 
 
 def _grad_call(buf, act_grad, table, slots, opt, hp, impl, **kw):
@@ -378,7 +361,7 @@ def test_grad_ffi_matches_reference(opt, hp, static, case):
     strict=True,
   ):
     g, w = np.asarray(g), np.asarray(w)
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert_close(g, w, rtol=1e-5, atol=1e-6, err_msg=name)
     # Unreferenced rows are bit-identical, referenced ones changed.
     np.testing.assert_array_equal(g[untouched], old[untouched], err_msg=name)
     np.testing.assert_array_equal(w[untouched], old[untouched], err_msg=name)
@@ -400,7 +383,7 @@ def test_grad_sgd_matches_truth_and_gain_zero_row_is_referenced():
       buf, act_grad, table, (), "sgd", [0.1], impl, **buf.layout()
     )
     assert slots == ()
-    np.testing.assert_allclose(new, want, rtol=1e-5, atol=1e-6, err_msg=impl)
+    assert_close(new, want, rtol=1e-5, atol=1e-6, err_msg=impl)
 
 
 @pytest.mark.parametrize("impl", ["ffi", "reference"])
@@ -416,7 +399,7 @@ def test_grad_partition_window(impl):
   new, _ = _grad_call(
     buf, act_grad, window, (), "sgd", [0.5], impl, **buf.layout(2)
   )
-  np.testing.assert_allclose(new, want, rtol=1e-5, atol=1e-6)
+  assert_close(new, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("impl", ["ffi", "reference"])
@@ -444,7 +427,7 @@ def test_grad_clip_applies_to_table_only(impl):
   referenced = sorted(row_grads(buf, act_grad, table.shape[0]))
   new = np.asarray(new)
   assert new[referenced].min() >= -0.25 and new[referenced].max() <= 0.5
-  np.testing.assert_allclose(
+  assert_close(
     new[referenced], np.clip(np.asarray(unclipped)[referenced], -0.25, 0.5)
   )
   np.testing.assert_array_equal(acc, acc2)
@@ -512,9 +495,9 @@ def test_three_steps_match_numpy(impl, opt, mlr):
         w64[r], s64[0][r], s64[1][r] = _np_ftrl(
           w64[r], s64[0][r], s64[1][r], g, *hp, mlr
         )
-  np.testing.assert_allclose(state[0], w64, rtol=1e-4, atol=1e-5)
+  assert_close(state[0], w64, rtol=1e-4, atol=1e-5)
   for got, want in zip(state[1], s64, strict=True):
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_large_batch_parallel_backward_and_determinism():
@@ -540,13 +523,11 @@ def test_large_batch_parallel_backward_and_determinism():
     buf, act_grad, table, slots, "adagrad", [0.1], "reference", **buf.layout()
   )
   np.testing.assert_array_equal(got[0], again[0])
-  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(got[1][0], want[1][0], rtol=1e-5, atol=1e-6)
+  assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+  assert_close(got[1][0], want[1][0], rtol=1e-5, atol=1e-6)
   fwd = _forward(buf, table, "ffi")
   np.testing.assert_array_equal(fwd, _forward(buf, table, "ffi"))
-  np.testing.assert_allclose(
-    fwd, dense_forward(buf, table), rtol=1e-5, atol=1e-5
-  )
+  assert_close(fwd, dense_forward(buf, table), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
@@ -585,9 +566,7 @@ def test_forward_under_vmap_and_shard_map():
     *buf.args(), jnp.asarray(tables)
   )
   for i in range(3):
-    np.testing.assert_allclose(
-      got[i], dense_forward(buf, tables[i]), rtol=1e-5, atol=1e-5
-    )
+    assert_close(got[i], dense_forward(buf, tables[i]), rtol=1e-5, atol=1e-5)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
   spec = jax.sharding.PartitionSpec("x")
   sharded = jax.jit(
@@ -595,7 +574,7 @@ def test_forward_under_vmap_and_shard_map():
       fwd, mesh=mesh, in_specs=(spec,) * 4 + (spec,), out_specs=spec
     )
   )
-  np.testing.assert_allclose(
+  assert_close(
     sharded(*buf.args(), jnp.asarray(tables[0])),
     dense_forward(buf, tables[0]),
     rtol=1e-5,
@@ -799,9 +778,7 @@ def test_failed_extension_load_warns_once_and_runs_reference(tmp_path, library):
   assert report["forward"] == "reference"
   assert str(path) in report["load_error"]
   for out in report["outs"]:
-    np.testing.assert_allclose(
-      out, dense_forward(buf, table), rtol=1e-5, atol=1e-5
-    )
+    assert_close(out, dense_forward(buf, table), rtol=1e-5, atol=1e-5)
 
 
 class _OtherAbi:
@@ -831,9 +808,7 @@ def test_abi_mismatch_is_an_error_not_a_fallback(monkeypatch):
   got = kernels.sparse_dense_matmul(
     *buf.args(), table, implementation="reference", **buf.layout()
   )
-  np.testing.assert_allclose(
-    got, dense_forward(buf, np.asarray(table)), rtol=1e-5, atol=1e-5
-  )
+  assert_close(got, dense_forward(buf, np.asarray(table)), rtol=1e-5, atol=1e-5)
   info = pzsc.backend_info()
   assert info.implementations["grad adam"]["cpu"] == "error"
   assert "/x/_pzsc_ffi.so" in str(info)
@@ -905,8 +880,9 @@ def test_adagrad_zero_accumulator_guard(impl):
     want[row, nz] -= hp[0] * g[nz] / np.sqrt(acc[row, nz])
   assert np.isfinite(new_table).all()
   np.testing.assert_array_equal(new_table[zero_rows], table[zero_rows])
-  np.testing.assert_allclose(new_acc, acc, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(new_table, want, rtol=1e-5, atol=1e-5)
+  # The NaN gradient's accumulator elements are NaN on both sides.
+  assert_close(new_acc, acc, rtol=1e-5, atol=1e-6, allow_nan=True)
+  assert_close(new_table, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", ["ffi", "reference"])
@@ -943,7 +919,7 @@ def test_f2a_keeps_a_nan_local_step(impl):
   got = np.asarray(new_table)[rows[0]]
   np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
   assert np.isnan(got[1]) and np.isfinite(np.delete(got, 1)).all()
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+  assert_close(got, want, rtol=1e-5, atol=1e-6, allow_nan=True)
   assert np.isnan(np.asarray(new_local)[rows[0], 1])
 
 

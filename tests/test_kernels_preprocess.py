@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import assert_close
 
 from pz_sparsecore.device import kernels
 
@@ -72,7 +73,7 @@ def test_forward_and_sgd_on_preprocessed_buffers(impl):
   out = jax.jit(
     lambda *a: kernels.sparse_dense_matmul(*a, **lay, implementation=impl)
   )(*args, jnp.asarray(physical))
-  np.testing.assert_allclose(np.asarray(out)[:, :DIM], want, rtol=1e-5)
+  assert_close(np.asarray(out)[:, :DIM], want, rtol=1e-5)
 
   act_grad = np.zeros(out.shape, np.float32)
   act_grad[:, :DIM] = np.random.default_rng(1).normal(size=(BATCH, DIM))
@@ -99,6 +100,6 @@ def test_forward_and_sgd_on_preprocessed_buffers(impl):
   for v in range(VOCAB):
     # MOD sharding: logical row v lives in partition v % N, row v // N.
     row = (v % NUM_SC) * rpp + v // NUM_SC
-    np.testing.assert_allclose(
+    assert_close(
       new[row, :DIM], logical[v] - logical_grad[v], rtol=1e-5, atol=1e-6
     )

@@ -26,6 +26,7 @@ import numpy as np
 import optax
 import pytest
 import test_training as tt
+from numerics import assert_close
 from test_kernels import _grad_call, _slots, _table, make_buffers, row_grads
 
 import pz_sparsecore as pzsc
@@ -159,12 +160,10 @@ def test_laprop_hyperparameters_follow_the_step():
   )
   for step in (0, 1, 9, 500):
     want = [0.1 / (1 + step), 0.8, np_decay_rate(0.9, step), 1e-6]
-    np.testing.assert_allclose(
-      _floats(spec.get_hyperparameters(step)), want, rtol=1e-6
-    )
+    assert_close(_floats(spec.get_hyperparameters(step)), want, rtol=1e-6)
   # Under jit, with a traced step.
   got = jax.jit(spec.get_hyperparameters)(jnp.int32(9))
-  np.testing.assert_allclose(float(got[2]), np_decay_rate(0.9, 9), rtol=1e-6)
+  assert_close(float(got[2]), np_decay_rate(0.9, 9), rtol=1e-6)
   # Without a step upstream decays by b2 itself.
   assert float(
     specs.LaPropOptimizerSpec(b2=0.9).get_decay_rate()
@@ -336,7 +335,7 @@ def test_fused_update_matches_numpy_over_steps(spec, impl):
     strict=True,
   ):
     got = np.asarray(got)
-    np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-5, err_msg=name)
+    assert_close(got, w, rtol=1e-4, atol=1e-5, err_msg=name)
     np.testing.assert_array_equal(got[untouched], old[untouched], err_msg=name)
 
 
@@ -374,7 +373,7 @@ def test_custom_equals_the_builtin_it_restates(builtin, fn, inits):
   ):
     g = np.asarray(g)
     np.testing.assert_array_equal(g, np.asarray(w))
-    np.testing.assert_allclose(g, np.asarray(c), rtol=1e-6, atol=1e-7)
+    assert_close(g, np.asarray(c), rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(g[untouched], old[untouched])
   assert not np.array_equal(np.asarray(got[0])[referenced], table[referenced])
 
@@ -583,8 +582,6 @@ def test_adagrad_from_a_zero_accumulator_leaves_zero_gradients_alone(impl):
     nonzero = want_a[row] > 0
     want_w[row, nonzero] -= 0.1 * g[nonzero] / np.sqrt(want_a[row, nonzero])
   assert np.isfinite(np.asarray(new_table)).all()
-  np.testing.assert_allclose(np.asarray(new_acc), want_a, rtol=1e-5, atol=1e-7)
-  np.testing.assert_allclose(
-    np.asarray(new_table), want_w, rtol=1e-5, atol=1e-6
-  )
+  assert_close(np.asarray(new_acc), want_a, rtol=1e-5, atol=1e-7)
+  assert_close(np.asarray(new_table), want_w, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(np.asarray(new_table)[:, ::3], table[:, ::3])

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+from numerics import assert_close
 from penzai import pz
 from test_kernels import _forward, _table, dense_forward, make_buffers
 
@@ -52,7 +53,7 @@ def test_quantized_forward_equals_numpy(impl):
     )
   )
   got = lookup(*buf.args(), jnp.asarray(table))
-  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  assert_close(got, want, rtol=1e-6, atol=1e-6)
   # Unquantized, the same call differs.
   assert not np.allclose(_forward(buf, table, impl), want, atol=1e-3)
 
@@ -66,14 +67,14 @@ def test_quantized_forward_with_a_generic_width_and_refused_settings():
     kernels.sparse_dense_matmul, implementation="ffi", **buf.layout()
   )
   got = call(*buf.args(), jnp.asarray(table), quantization=config.as_tuple())
-  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  assert_close(got, want, rtol=1e-6, atol=1e-6)
   # The handler checks the attribute too (the spec class refuses first).
   with pytest.raises(Exception, match="num_buckets >= 2"):
     jax.block_until_ready(
       call(*buf.args(), jnp.asarray(table), quantization=(0.0, 1.0, 1))
     )
   got = call(*buf.args(), jnp.asarray(table), quantization=config.as_tuple())
-  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def _table_spec(name, config, vocab=40, lr=0.5):
@@ -174,7 +175,7 @@ def test_layer_reads_quantized_rows_and_updates_float_tables(exchange):
       rows = np_quantize(rows, CONFIG)
     want = rows[ids[name]].astype(np.float64).sum(axis=1)
     got = np.asarray(acts[name].unwrap("batch", "embedding"))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+    assert_close(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
   grads = {
     name: pz.nx.wrap(
       rng.normal(size=(batch, 8)).astype(np.float32), "batch", "embedding"
@@ -190,7 +191,7 @@ def test_layer_reads_quantized_rows_and_updates_float_tables(exchange):
       for i in row_ids:
         want[i] -= lr * g[sample]
     # The float32 table gets the plain gradient step, not a quantized one.
-    np.testing.assert_allclose(after[table_name], want, rtol=1e-5, atol=1e-5)
+    assert_close(after[table_name], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", ["ffi", "reference"])
@@ -214,6 +215,6 @@ def test_nan_in_a_quantized_table_reaches_the_output(impl):
   )
   assert np.isnan(want).any() and np.isfinite(want).any()
   np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
+  assert_close(got, want, rtol=1e-6, atol=1e-6, allow_nan=True)
   # The row of the example: NaN stays NaN, the rest is clipped and rounded.
   assert np.isnan(np_quantize(np.float32([np.nan]), CONFIG)[0])

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 import test_training as tt
+from numerics import assert_close
 from penzai import pz
 from test_kernels import _grad_call, _table, make_buffers, row_grads
 
@@ -85,8 +86,8 @@ def test_fused_update_matches_numpy(impl, mode, wd):
     wd=wd,
     mode=mode,
   )
-  np.testing.assert_allclose(new[rows], want_w, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(new_acc[rows, 0], want_a, rtol=1e-5, atol=1e-7)
+  assert_close(new[rows], want_w, rtol=1e-5, atol=1e-6)
+  assert_close(new_acc[rows, 0], want_a, rtol=1e-5, atol=1e-7)
   other = np.setdiff1d(np.arange(table.shape[0]), rows)
   assert len(other) > 0
   np.testing.assert_array_equal(new[other], table[other])
@@ -451,10 +452,8 @@ def test_custom_optimizers_with_shaped_slots_match_numpy():
   got_tables = pzsc.logical_tables(trainer.model.embed)
   got_slots = pzsc.logical_slots(trainer.model.embed)
   for name in CUSTOM:
-    np.testing.assert_allclose(got_tables[name], tables[name], 2e-4, 2e-5)
-    np.testing.assert_allclose(
-      got_slots[name]["slot_0"], state[name]["slot_0"], 2e-4, 2e-5
-    )
+    assert_close(got_tables[name], tables[name], 2e-4, 2e-5)
+    assert_close(got_slots[name]["slot_0"], state[name]["slot_0"], 2e-4, 2e-5)
 
 
 def test_custom_slot_shape_errors_name_the_shapes():
@@ -562,10 +561,8 @@ def test_compat_device_step_equals_numpy():
     eps=1e-6,
     dim=tcd.DIM,
   )
-  np.testing.assert_allclose(logical(new)[touched], want_w, 1e-5, 1e-5)
-  np.testing.assert_allclose(
-    logical(new, "accumulator")[touched], want_a, 1e-5, 1e-6
-  )
+  assert_close(logical(new)[touched], want_w, 1e-5, 1e-5)
+  assert_close(logical(new, "accumulator")[touched], want_a, 1e-5, 1e-6)
   other = np.setdiff1d(np.arange(len(before)), touched)
   np.testing.assert_array_equal(logical(new)[other], before[other])
 

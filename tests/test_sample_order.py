@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+from numerics import assert_close
 
 import pz_sparsecore as pzsc
 from pz_sparsecore.core import plan as plan_lib
@@ -159,7 +160,7 @@ def test_preprocessor_writes_every_lookup_grouped_by_output_row(combiner):
   merged = _entries_of_buffers(inputs, name, layout, table_rows)
   assert summed.keys() == merged.keys()
   for key, g in merged.items():
-    np.testing.assert_allclose(summed[key], g, rtol=1e-6)
+    assert_close(summed[key], g, rtol=1e-6)
 
 
 def _dense_forward(features, ids, weights, tables, combiner):
@@ -205,8 +206,8 @@ def test_layer_forward_reads_the_order_and_matches_numpy(combiner):
   }
   without = embed(dataclasses.replace(inputs, sample_order=None))
   for k in features:
-    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(
+    assert_close(got[k], want[k], rtol=1e-5, atol=1e-5)
+    assert_close(
       got[k],
       np.asarray(without[k].unwrap("batch", "embedding")),
       rtol=1e-6,
@@ -260,7 +261,7 @@ def test_dropped_ids_mark_the_order_unused_and_the_forward_sorts():
   want = kernels.sparse_dense_matmul(
     *bufs, table, implementation="reference", **layout
   )
-  np.testing.assert_allclose(with_order, want, rtol=1e-6, atol=1e-6)
+  assert_close(with_order, want, rtol=1e-6, atol=1e-6)
 
 
 def test_eval_shapes_match_the_buffers():

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from numerics import assert_close
 from test_kernels import (
   FORWARD_CASES,
   GRAD_CASES,
@@ -72,8 +73,8 @@ def test_forward_of_a_16_bit_table_sums_its_widened_rows(dtype, dim, case):
     truth[k * buf.samples_per_segment + s] += (
       g * wide[p * buf.rows_per_partition + r]
     )
-  np.testing.assert_allclose(got, truth, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(want, truth, rtol=1e-5, atol=1e-5)
+  assert_close(got, truth, rtol=1e-5, atol=1e-5)
+  assert_close(want, truth, rtol=1e-5, atol=1e-5)
   # The float32 path on the widened table gives the same bits.
   np.testing.assert_array_equal(
     got, _forward(buf, table.astype(np.float32), "ffi")
@@ -87,7 +88,7 @@ def test_quantized_forward_of_a_16_bit_table(dtype):
   q = (-0.5, 0.75, 6)
   got = _forward(buf, table, "ffi", q)
   want = _forward(buf, table, "reference", q)
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert_close(got, want, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(
     got, _forward(buf, table.astype(np.float32), "ffi", q)
   )
@@ -153,7 +154,7 @@ def test_update_of_a_16_bit_table_matches_reference(dtype, opt, hp, static):
     s.dtype == np.float32 for s in got_s
   )
   for g, w in zip(got_s, want_s, strict=True):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert_close(g, w, rtol=1e-5, atol=1e-6)
   # The float32 update of the widened rows, then each stored value is one
   # of its two neighbours; handler and reference share the random bits, so
   # they agree bit for bit but where their float32 results differ in the

@@ -36,9 +36,14 @@ Adding an optimizer, say `foo` with slots `(a, b)` and hyper-parameters
    `_check_hyperparameters` refusing values where the update is undefined;
    export it in `pz_sparsecore/__init__.py` (`_EXPORTS`).
 2. Its entry in `REGISTRY` below:
-   `Optimizer("foo", (Slot("a", "initial_a_value"), Slot("b")),
+   `Optimizer("foo", (Slot("a", "initial_a_value",
+   domain=SlotDomain.NONNEGATIVE), Slot("b", domain=SlotDomain.REAL)),
    ("learning_rate", "x"), _lr_and("x"), _foo)`, with `_foo(w, slots, g, h)`
-   its row update in JAX (the reference).
+   its row update in JAX (the reference). Each slot names its domain, the
+   values it holds in training (`SlotDomain`; a sum of squares is
+   `NONNEGATIVE`): the tests draw its values from there, and a slot left at
+   the default `REAL` whose update needs `a >= 0` gets negative values and
+   NaN updates, which fail the tests.
 3. Its C++ and CUDA row update, in `csrc/optimizers.h` (host and device
    code: both handler families run it):
    `PZSC_HOST_DEVICE void FooElement(const Hyperparameters& h, float& w,
@@ -57,8 +62,15 @@ Adding an optimizer, say `foo` with slots `(a, b)` and hyper-parameters
    `compat/lib/core/primitives/sparse_dense_matmul_grad_with_foo.py`, a copy
    of a sibling's three lines with the name changed.
 5. Its test hyper-parameters in `tests/test_kernels.py` (`HYPERPARAMETERS`,
-   `GRAD_CASES`: the compiled update against `_foo`);
-   `tests/test_optimizer_list.py` checks that the lists above agree.
+   `GRAD_CASES`: the compiled update against `_foo`), and nothing else
+   there: the kernel, fuzz and optimizer tests draw every slot from its
+   domain (`tests/numerics.py`, `draw_slot`; no test picks values by an
+   optimizer's name), compare outputs with `numerics.assert_close`, which
+   counts a NaN or an infinity as a mismatch even where both sides have it
+   (only a case about NaN says `allow_nan=True`), and take no optimizer by
+   its place in the registry. `tests/test_optimizer_list.py` checks that
+   the lists above agree and that the spec's initial slot values lie in
+   their domains.
 
 An optimizer whose slots hold one value per row (`Slot(...,
 shape=SlotShape.ROWWISE_1D)`, as row-wise Adagrad's) is a row rule in C++:
@@ -137,6 +149,26 @@ def slot_shape(value: SlotShapeLike) -> SlotShape | int:
   )
 
 
+class SlotDomain(enum.StrEnum):
+  """The values a slot variable holds in training, where its update is
+  defined.
+
+  `REAL`: any real number (momenta, FTRL's linear term; the default).
+  `NONNEGATIVE`: >= 0 (sums of squared gradients: Adagrad's accumulators,
+  Adam's velocity). `POSITIVE`: > 0 (an accumulator that the update divides
+  by with no guard for 0, F2A's). `COUNT`: a whole number >= 0 (F2A's count
+  of a row's updates). A spec's initial value lies in its slot's domain, and
+  the kernel tests draw slot values from it: a value outside it (a negative
+  accumulator) makes the update NaN on every side, which the tests count as
+  a failure.
+  """
+
+  REAL = "real"
+  NONNEGATIVE = "nonnegative"
+  POSITIVE = "positive"
+  COUNT = "count"
+
+
 @dataclasses.dataclass(frozen=True)
 class Slot:
   """One slot variable of an optimizer.
@@ -147,14 +179,17 @@ class Slot:
       for a slot that starts at 0.
     shape: Values per table row (`SlotShape` or an int width); physically
       every slot is `[shards, rows per shard, width(dim)]`.
+    domain: The values it holds (`SlotDomain`).
   """
 
   name: str
   initial_value_field: str | None = None
   shape: SlotShape | int = SlotShape.TABLE
+  domain: SlotDomain = SlotDomain.REAL
 
   def __post_init__(self):
     object.__setattr__(self, "shape", slot_shape(self.shape))
+    object.__setattr__(self, "domain", SlotDomain(self.domain))
 
   def width(self, dim: int) -> int:
     """Values per row in a table (or stack) `dim` wide."""
@@ -427,7 +462,9 @@ def _rowwise_adagrad_hyper(spec, lr, step, *, embedding_dim):
   )
 
 
-_ACCUMULATOR = Slot("accumulator", "initial_accumulator_value")
+_ACCUMULATOR = Slot(
+  "accumulator", "initial_accumulator_value", domain=SlotDomain.NONNEGATIVE
+)
 
 REGISTRY: dict[str, Optimizer] = {
   opt.name: opt
@@ -438,7 +475,10 @@ REGISTRY: dict[str, Optimizer] = {
     ),
     Optimizer(
       "adagrad_momentum",
-      (_ACCUMULATOR, Slot("momentum", "initial_momentum_value")),
+      (
+        _ACCUMULATOR,
+        Slot("momentum", "initial_momentum_value", domain=SlotDomain.REAL),
+      ),
       (
         "learning_rate",
         "momentum",
@@ -452,14 +492,20 @@ REGISTRY: dict[str, Optimizer] = {
     ),
     Optimizer(
       "adam",
-      (Slot("momentum"), Slot("velocity")),
+      (
+        Slot("momentum", domain=SlotDomain.REAL),
+        Slot("velocity", domain=SlotDomain.NONNEGATIVE),
+      ),
       ("alpha_t", "beta_1", "beta_2", "epsilon_hat"),
       _adam_hyper,
       _adam,
     ),
     Optimizer(
       "ftrl",
-      (_ACCUMULATOR, Slot("linear", "initial_linear_value")),
+      (
+        _ACCUMULATOR,
+        Slot("linear", "initial_linear_value", domain=SlotDomain.REAL),
+      ),
       ("learning_rate", "learning_rate_power", "l1", "l2", "beta"),
       _lr_and(
         "learning_rate_power",
@@ -472,21 +518,38 @@ REGISTRY: dict[str, Optimizer] = {
     ),
     Optimizer(
       "laprop",
-      (Slot("mu", "initial_slot_value"), Slot("nu", "initial_slot_value")),
+      (
+        Slot("mu", "initial_slot_value", domain=SlotDomain.REAL),
+        Slot("nu", "initial_slot_value", domain=SlotDomain.NONNEGATIVE),
+      ),
       ("learning_rate", "b1", "decay_rate", "eps"),
       _laprop_hyper,
       _laprop,
     ),
     Optimizer(
       "f2a",
-      (_ACCUMULATOR, Slot("local_step", "initial_local_step_value")),
+      (
+        Slot(
+          "accumulator",
+          "initial_accumulator_value",
+          domain=SlotDomain.POSITIVE,
+        ),
+        Slot("local_step", "initial_local_step_value", domain=SlotDomain.COUNT),
+      ),
       ("learning_rate", "rho", "l1", "l2", "max_lr_multiplier", "step"),
       _f2a_hyper,
       _f2a,
     ),
     Optimizer(
       "rowwise_adagrad",
-      (Slot("accumulator", "initial_accumulator_value", SlotShape.ROWWISE_1D),),
+      (
+        Slot(
+          "accumulator",
+          "initial_accumulator_value",
+          SlotShape.ROWWISE_1D,
+          SlotDomain.NONNEGATIVE,
+        ),
+      ),
       (
         "learning_rate",
         "epsilon",
