@@ -125,7 +125,7 @@ __all__ = sorted(_EXPORTS)
 
 
 _SUBMODULES = ("viz",)
-_RENDERERS = ("pz_sparsecore.viz.treescope", "register_renderers")
+_TREESCOPE_SETUP = ("pz_sparsecore.viz.treescope", "register_renderers")
 
 
 def __getattr__(name: str):
@@ -159,7 +159,9 @@ def _set_up_treescope() -> None:
   """
   from treescope import type_registries
 
-  type_registries._LAZY_MODULE_SETUP_FUNCTIONS.setdefault(__name__, _RENDERERS)
+  type_registries._LAZY_MODULE_SETUP_FUNCTIONS.setdefault(
+    __name__, _TREESCOPE_SETUP
+  )
 
 
 _set_up_treescope()
