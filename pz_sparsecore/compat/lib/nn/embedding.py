@@ -344,6 +344,13 @@ proto_to_optimizer_spec = embedding_proto_utils.proto_to_optimizer_spec
 # Variables.
 
 
+def _slot_tuple(like: tuple[Any, ...], values: Any) -> tuple[Any, ...]:
+  """`values` as a tuple of `like`'s type: its namedtuple, or a plain
+  tuple (a custom optimizer's initializers may be either)."""
+  values = tuple(values)
+  return type(like)(*values) if hasattr(like, "_fields") else values
+
+
 def _shard_variables(
   rng: jax.Array, tables: list[Any], num_sc: int, num_shards: int
 ) -> EmbeddingVariables:
@@ -363,11 +370,12 @@ def _shard_variables(
       blocks.append(
         EmbeddingVariables(
           table=table.initializer(rng[i], shape),
-          slot=type(slots)(
-            *(
+          slot=_slot_tuple(
+            slots,
+            (
               init(rng[i], (shape[0], width))
               for init, width in zip(slots, widths, strict=True)
-            )
+            ),
           ),
         )
       )
@@ -620,7 +628,7 @@ def tpu_sparse_dense_matmul_grad(
   )
   return {
     name: EmbeddingVariables(
-      table=table, slot=type(embedding_variables[name][1])(*new_slots)
+      table=table, slot=_slot_tuple(embedding_variables[name][1], new_slots)
     )
     for name, (table, new_slots) in updated.items()
   }

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 
 from pz_sparsecore.compat.lib.core.primitives import optimizer_primitives
+from pz_sparsecore.compat.lib.nn import custom_optimizer_lowering
 from pz_sparsecore.core import optimizer_proto, optimizers
 from pz_sparsecore.core import specs as frozen_specs
 from pz_sparsecore.core.optimizer_proto import CallablePlaceholder
@@ -122,18 +123,21 @@ class OptimizerSpec:
 
   A subclass is named as the frozen pz_sparsecore spec it stands for and
   takes from it its fields (upstream's names, defaults and order,
-  `learning_rate` first, the only one that may be passed positionally) and
-  its kernel name; every computation goes through that frozen spec, built
-  from the current values (`to_pz`).
+  `learning_rate` first, the only one that may be passed positionally),
+  and after them the `_UPSTREAM_FIELDS` it declares (upstream's fields that
+  the frozen spec holds another way), and its kernel name; every
+  computation goes through that frozen spec, built from the current values
+  (`to_pz`).
   """
 
   _FIELDS: tuple[tuple[str, Any], ...] = _fields(frozen_specs.OptimizerSpec)
+  _UPSTREAM_FIELDS: tuple[tuple[str, Any], ...] = ()
   _KERNEL_NAME = ""
 
   def __init_subclass__(cls, **kwargs: Any):
     super().__init_subclass__(**kwargs)
     frozen = getattr(frozen_specs, cls.__name__)
-    cls._FIELDS = _fields(frozen)
+    cls._FIELDS = _fields(frozen) + cls._UPSTREAM_FIELDS
     cls._KERNEL_NAME = frozen.kernel_name
 
   def __init__(self, learning_rate: Any = _UNSET, **hyper: Any):
@@ -255,13 +259,60 @@ class F2AOptimizerSpec(OptimizerSpec):
 
 
 class CustomOptimizerSpec(OptimizerSpec):
-  """An optimizer given as a JAX function of the touched rows."""
+  """An optimizer given as a JAX function of the touched rows, or as the
+  StableHLO module of that function.
+
+  `custom_computation_fn(grad, row, *slots, learning_rate)` is the frozen
+  spec's (`core.specs.CustomOptimizerSpec`). `stablehlo`, upstream's
+  alternative, is the module's text (or its UTF-8 bytes, or an MLIR
+  module) with the same operands, each `[1, D]` for a stack `D` wide, e.g.
+  from `lower_to_stablehlo(fn, D, num_slots)`; when given it is what runs,
+  as upstream, the fused update calling it once per touched row
+  (`custom_optimizer_lowering.StableHLOUpdate`).
+  """
+
+  _UPSTREAM_FIELDS = (("stablehlo", None),)
+
+  def to_pz(self) -> frozen_specs.CustomOptimizerSpec:
+    """The frozen spec; its function runs `stablehlo` when that is given.
+
+    Raises:
+      ValueError: If neither `custom_computation_fn` nor `stablehlo` is
+        given, or `stablehlo` is not a module.
+    """
+    values = self._values()
+    stablehlo = values.pop("stablehlo")
+    if stablehlo is not None:
+      if not isinstance(stablehlo, (str, bytes)):
+        stablehlo = str(stablehlo)  # An MLIR module prints as its text.
+      values["custom_computation_fn"] = (
+        custom_optimizer_lowering.StableHLOUpdate(stablehlo)
+      )
+    elif values["custom_computation_fn"] is None:
+      raise ValueError(
+        "Either stablehlo or custom_computation_fn must be provided for "
+        f"CustomOptimizerSpec {self.short_name_str!r}: pass the row update "
+        "as custom_computation_fn=fn(grad, row, *slots, learning_rate), or "
+        "its module as stablehlo= (CustomOptimizerSpec.lower_to_stablehlo)"
+      )
+    return frozen_specs.CustomOptimizerSpec(**values)
 
   def short_name(self) -> str:
     return self.short_name_str
 
   def slot_variables_initializers(self) -> tuple[Callable[..., Any], ...]:
-    return tuple(self.slot_variable_initializers_tuple)
+    """The initializers as given (a namedtuple stays one; a list becomes
+    a tuple)."""
+    inits = self.slot_variable_initializers_tuple
+    return inits if isinstance(inits, tuple) else tuple(inits)
+
+  # Upstream's classmethods, which only delegate: the functions themselves.
+  lower_to_stablehlo = staticmethod(
+    custom_optimizer_lowering.lower_to_stablehlo
+  )
+  wrap_stablehlo_with_limits = staticmethod(
+    custom_optimizer_lowering.wrap_stablehlo_with_limits
+  )
 
 
 def optimizer_to_pz(optimizer: Any) -> frozen_specs.OptimizerSpec:
@@ -278,14 +329,17 @@ def optimizer_to_pz(optimizer: Any) -> frozen_specs.OptimizerSpec:
 
 
 def optimizer_from_pz(optimizer: frozen_specs.OptimizerSpec) -> OptimizerSpec:
-  """The compat spec of the class named as a frozen spec, with its values."""
+  """The compat spec of the class named as a frozen spec, with its values
+  (a custom optimizer running a module gets it back as `stablehlo`)."""
   cls = globals()[type(optimizer).__name__]
-  return cls(
-    **{
-      field.name: getattr(optimizer, field.name)
-      for field in dataclasses.fields(optimizer)
-    }
-  )
+  values = {
+    field.name: getattr(optimizer, field.name)
+    for field in dataclasses.fields(optimizer)
+  }
+  fn = values.get("custom_computation_fn")
+  if isinstance(fn, custom_optimizer_lowering.StableHLOUpdate):
+    values.update(custom_computation_fn=None, stablehlo=fn.stablehlo)
+  return cls(**values)
 
 
 # ---------------------------------------------------------------------------
