@@ -7,7 +7,7 @@ BUILD_DEPS := scikit-build-core nanobind jax==0.10.2 jaxlib==0.10.2
 SOURCES := pyproject.toml constraints.txt CMakeLists.txt $(wildcard csrc/*) \
 	pz_sparsecore/device/kernels/abi_version.h
 
-.PHONY: demo test test-asan cuda-check lint bench bench-dlrm bench-large docs readme-figure clean
+.PHONY: demo test test-newest test-asan cuda-check lint bench bench-dlrm bench-large docs readme-figure clean
 
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,41 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+# The second tested environment: Python 3.12 (from pyenv, or set
+# PYTHON_NEWEST) with the newest jax the ranges allow
+# (constraints-newest.txt), in .venv-newest, built against that jax. It runs
+# the tests of the jax API surface (NEWEST_TESTS): the program compilations,
+# the layers, the kernels' lowering, the trainer, checkpoints and compat.
+PYTHON_NEWEST ?= $(shell pyenv prefix 3.12 2>/dev/null || \
+	echo $(HOME)/.pyenv/versions/3.12.1)/bin/python
+VENV_NEWEST := .venv-newest
+PY_NEWEST := $(VENV_NEWEST)/bin/python
+STAMP_NEWEST := $(VENV_NEWEST)/.installed
+NEWEST_TESTS := tests/test_programs.py tests/test_lookup.py \
+	tests/test_embed.py tests/test_training.py tests/test_exchange.py \
+	tests/test_jit.py tests/test_inplace.py tests/test_kernels.py \
+	tests/test_kernel_fuzz.py tests/test_checkpoint.py \
+	tests/test_checkpoint_faults.py tests/test_replication.py \
+	tests/test_minibatching_layer.py tests/test_pipelining.py \
+	tests/test_compat.py tests/test_compat_device.py \
+	tests/test_compat_input_preprocessing.py tests/test_spec_proto.py \
+	tests/test_bad_input.py tests/test_table_dtypes_layer.py
+
+$(STAMP_NEWEST): $(SOURCES) constraints-newest.txt
+	test -x $(PY_NEWEST) || $(PYTHON_NEWEST) -m venv $(VENV_NEWEST)
+	$(PY_NEWEST) -m pip install -q --upgrade pip
+	$(PY_NEWEST) -m pip install -q scikit-build-core nanobind \
+		-c constraints-newest.txt jax jaxlib
+	$(PY_NEWEST) -m pip install -q --no-build-isolation \
+		-c constraints-newest.txt -e ".[dev]"
+	touch $(STAMP_NEWEST)
+
+test-newest: $(STAMP_NEWEST)
+	$(PY_NEWEST) -c "import sys, jax; print('test-newest: Python', \
+		sys.version.split()[0], 'jax', jax.__version__)"
+	$(PY_NEWEST) -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider \
+		$(NEWEST_TESTS)
 
 # The kernel and ragged-reader tests against the kernels and the reader
 # built with AddressSanitizer and UndefinedBehaviorSanitizer: a separate
@@ -103,7 +138,7 @@ docs: $(STAMP)
 	$(VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
 
 clean:
-	rm -rf build $(VENV)
+	rm -rf build $(VENV) $(VENV_NEWEST)
 
 # Compiles the CUDA handlers (and the module registering them) with warnings
 # as errors for the project's own sources, for every architecture the CUDA
