@@ -103,6 +103,8 @@ _EXPORTS = {
   "NonFiniteInputError": "nn.training",
   "save_checkpoint": "nn.checkpoint",
   "restore_checkpoint": "nn.checkpoint",
+  "list_checkpoints": "nn.checkpoint",
+  "CheckpointInfo": "nn.checkpoint",
   "logical_tables": "nn.tables",
   "logical_slots": "nn.tables",
   "set_logical_tables": "nn.tables",

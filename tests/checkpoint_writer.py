@@ -18,18 +18,19 @@ import pz_sparsecore as pzsc
 VOCAB, DIM = 20_000, 16
 
 
-def build(rng):
+def build(rng, vocab: int = VOCAB, dim: int = DIM):
+  """The layer: one Adagrad table `t` of `vocab` x `dim`, on one device."""
   table = pzsc.TableSpec(
     name="t",
-    vocabulary_size=VOCAB,
-    embedding_dim=DIM,
+    vocabulary_size=vocab,
+    embedding_dim=dim,
     initializer=jax.nn.initializers.zeros,
     optimizer=pzsc.AdagradOptimizerSpec(),
     combiner="sum",
   )
   features = {
     "f": pzsc.FeatureSpec(
-      name="f", table_spec=table, input_shape=(8, 1), output_shape=(8, DIM)
+      name="f", table_spec=table, input_shape=(8, 1), output_shape=(8, dim)
     )
   }
   mesh = Mesh(np.array(jax.devices()[:1]), ("device",))

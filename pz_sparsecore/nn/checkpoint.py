@@ -3,10 +3,13 @@
 `save_checkpoint(directory, target)` stores a Penzai model, or a whole
 `SparseCoreTrainer` (model, step, optax state, loss-function state and root
 key); `restore_checkpoint(directory, target)` reads the newest checkpoint
-back into a model or trainer built the same way, on any topology.
+(or that of `step=`) back into a model or trainer built the same way, on
+any topology; `list_checkpoints(directory)` lists them.
 
 Format. Checkpoints are written with orbax-checkpoint. `directory` holds one
-sub-directory per save, numbered `0, 1, 2, ...`; each holds two orbax items:
+sub-directory per save, named by its training step (`_ckpt_steps.py` says
+how a step is chosen, which folders count and what `keep` deletes); each
+holds two orbax items:
 `arrays` (a flat dict of arrays, OCDBT/TensorStore) and `manifest` (JSON,
 described in `_ckpt_manifest.py`) that says what every array is. Each
 stack's table and slots are stored as the devices hold them, `[N, V_shard,
@@ -22,11 +25,11 @@ and memory (one device shard must fit under it).
 
 Atomicity. A save writes into `<n>.orbax-checkpoint-tmp-<time>`, syncs every
 file and directory, renames it to `<n>` and syncs `directory`; only then
-are the checkpoints beyond the newest `keep` deleted. The newest directory
-named by a bare number is the checkpoint: a crash at any point leaves the
-previous one (or the new one, if the rename happened) restorable, and the
-next save picks the number after the newest committed one and removes the
-temporary directories of interrupted saves.
+are the checkpoints beyond the newest `keep` deleted. The newest complete
+directory named by a bare number is the checkpoint: a crash at any point
+leaves the previous one (or the new one, if the rename happened)
+restorable, and the next save removes the temporary directories of
+interrupted saves.
 
 Restore onto another topology. The manifest records each stack's layout; a
 stack whose layout equals the model's is read straight into its shards, any
@@ -66,6 +69,7 @@ Resuming training::
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -87,14 +91,30 @@ from pz_sparsecore.nn._ckpt_manifest import (
   restored_trainer,
 )
 from pz_sparsecore.nn._ckpt_reads import Reads
+from pz_sparsecore.nn._ckpt_steps import (
+  MANIFEST_ITEM,
+  SAVED,
+  CheckpointInfo,
+  choose,
+  list_checkpoints,
+  remove_old,
+  save_step,
+  stamp,
+)
 from pz_sparsecore.nn.training import SparseCoreTrainer
 
-__all__ = ["restore_checkpoint", "save_checkpoint"]
+__all__ = [
+  "CheckpointInfo",
+  "list_checkpoints",
+  "restore_checkpoint",
+  "save_checkpoint",
+]
 
 _ARRAYS = "arrays"
-_MANIFEST = "manifest"
+_MANIFEST = MANIFEST_ITEM
 _CHUNK_BYTES = 32 * 2**20
 """Largest stored chunk: a read onto another topology rounds to chunks."""
+_LOG = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------
 # orbax: handlers, the durable rename, the newest committed step.
@@ -153,18 +173,6 @@ def _handlers(max_host_bytes: int | None) -> dict[str, Any]:
   return {_ARRAYS: arrays, _MANIFEST: ocp.JsonCheckpointHandler()}
 
 
-def _steps(directory: str) -> list[int]:
-  """The committed checkpoints of `directory` (temporary ones have names
-  with a suffix)."""
-  if not os.path.isdir(directory):
-    return []
-  return sorted(
-    int(name)
-    for name in os.listdir(directory)
-    if name.isdigit() and os.path.isdir(os.path.join(directory, name))
-  )
-
-
 def _check_cap(description: Description, max_host_bytes: int | None) -> None:
   """Raises if one device's piece of an array does not fit under the cap."""
   if max_host_bytes is None:
@@ -199,6 +207,7 @@ def save_checkpoint(
   directory: str | os.PathLike,
   target: Any,
   *,
+  step: int | None = None,
   keep: int | None = 1,
   max_host_bytes: int | None = None,
 ) -> str:
@@ -206,12 +215,22 @@ def save_checkpoint(
 
   With several processes every process calls it with the same arguments.
 
+  The checkpoint's folder is named by its training step: a trainer's own
+  step; for a model, `step`, else the step after the newest folder in
+  `directory` (0 in an empty one). The step must be greater than every
+  checkpoint's there: an existing checkpoint is never replaced. Once the
+  new checkpoint is complete, the complete checkpoints beyond the newest
+  `keep` are deleted (`_ckpt_steps.py` says which folders count).
+
   Args:
     directory: The checkpoint directory (created if missing), on a file
       system every process can read and write.
     target: A Penzai model (with bound variables) or a trainer (its model,
       step, optax state, loss-function state and root key).
-    keep: How many checkpoints to keep (the newest); None keeps all.
+    step: The training step of a model's checkpoint (None: the step after
+      the newest); for a trainer, None or the trainer's step.
+    keep: How many complete checkpoints to keep (the newest, the new one
+      among them); None keeps all.
     max_host_bytes: Most bytes this process holds in flight between its
       devices and storage at once; None is unlimited.
 
@@ -221,6 +240,8 @@ def save_checkpoint(
   Raises:
     ValueError: If a variable's value cannot be stored or an option is
       invalid.
+    FileExistsError: If `directory` has a checkpoint of this step or a
+      later one (nothing is written then).
   """
   _check_options(keep, max_host_bytes)
   description = describe(target)
@@ -230,8 +251,10 @@ def save_checkpoint(
     key: ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES) for key in arrays
   }
   directory = os.path.abspath(os.fspath(directory))
+  step = save_step(directory, target, step)
+  description.manifest[SAVED] = stamp(step, target)
   options = ocp.CheckpointManagerOptions(
-    max_to_keep=keep,
+    max_to_keep=None,  # remove_old: orbax would count incomplete folders.
     enable_async_checkpointing=False,
     cleanup_tmp_directories=True,
     temporary_path_class=_DurableRename,
@@ -241,8 +264,6 @@ def save_checkpoint(
     item_handlers=_handlers(max_host_bytes),
     options=options,
   ) as manager:
-    latest = manager.latest_step()
-    step = 0 if latest is None else latest + 1
     manager.save(
       step,
       args=ocp.args.Composite(
@@ -252,6 +273,7 @@ def save_checkpoint(
         }
       ),
     )
+  remove_old(directory, step, keep)
   return os.path.join(directory, str(step))
 
 
@@ -278,11 +300,17 @@ def restore_checkpoint(
   directory: str | os.PathLike,
   target: Any,
   *,
+  step: int | None = None,
   max_host_bytes: int | None = None,
   limits: str = "checkpoint",
   cast_tables: bool = False,
 ) -> Any:
   """Restores the newest checkpoint in `directory` into a model or trainer.
+
+  `step=N` restores the checkpoint of training step N instead
+  (`list_checkpoints(directory)` lists the steps there are). The restored
+  step is logged (logger `pz_sparsecore.nn.checkpoint`, level INFO); a
+  restored trainer holds it (`trainer.state.value.step`).
 
   The target may use another topology or stacking than the one saved.
   Bound variables are updated in place; variable slots (a model built with
@@ -319,6 +347,8 @@ def restore_checkpoint(
   Args:
     directory: A directory written by `save_checkpoint`.
     target: The model or `SparseCoreTrainer` to restore into.
+    step: The training step to restore; None: the newest complete
+      checkpoint.
     max_host_bytes: Most bytes this process holds in flight between storage
       and its devices at once; None is unlimited.
     limits: "checkpoint" (the saved limits where they hold) or "target"
@@ -331,7 +361,8 @@ def restore_checkpoint(
     its root key is new, and its layers have the restored limits).
 
   Raises:
-    FileNotFoundError: If `directory` holds no committed checkpoint.
+    FileNotFoundError: If `directory` holds no complete checkpoint (of
+      `step`: the message lists the steps there are).
     ValueError: If the checkpoint does not match the target (naming the
       first difference) or an option is invalid; nothing is changed then.
   """
@@ -340,10 +371,8 @@ def restore_checkpoint(
   if not isinstance(cast_tables, bool):
     raise ValueError(f"cast_tables must be True or False, got {cast_tables!r}")
   directory = os.path.abspath(os.fspath(directory))
-  steps = _steps(directory)
-  if not steps:
-    raise FileNotFoundError(f"no checkpoint in {directory}")
-  path = os.path.join(directory, str(steps[-1]))
+  path, step = choose(directory, step)
+  _LOG.info("restoring step %d from %s", step, path)
   checkpointer = ocp.Checkpointer(
     ocp.CompositeCheckpointHandler(**_handlers(max_host_bytes))
   )
