@@ -23,9 +23,9 @@ host, and the directory must be on a file system every process sees.
 `max_host_bytes` caps the bytes a process holds in flight between storage
 and memory (one device shard must fit under it).
 
-Atomicity. A save writes into `<n>.orbax-checkpoint-tmp-<time>`, syncs every
-file and directory, renames it to `<n>` and syncs `directory`; only then
-are the checkpoints beyond the newest `keep` deleted. The newest complete
+Atomicity. A save writes into `<n>.orbax-checkpoint-tmp`, syncs every file
+and directory, renames it to `<n>` and syncs `directory`; only then are
+the checkpoints beyond the newest `keep` deleted. The newest complete
 directory named by a bare number is the checkpoint: a crash at any point
 leaves the previous one (or the new one, if the rename happened)
 restorable, and the next save removes the temporary directories of
@@ -82,6 +82,12 @@ from etils import epath
 from orbax.checkpoint.path import atomicity
 from penzai import pz
 
+from pz_sparsecore.nn._ckpt_integrity import (
+  checksummed_chunks,
+  read_arrays,
+  read_manifest,
+  seal,
+)
 from pz_sparsecore.nn._ckpt_limits import check_mode, restore_limits
 from pz_sparsecore.nn._ckpt_manifest import (
   SLOTS,
@@ -168,6 +174,8 @@ def _handlers(max_host_bytes: int | None) -> dict[str, Any]:
       save_concurrent_bytes=max_host_bytes,
       restore_concurrent_bytes=max_host_bytes,
       use_compression=False,
+      # zarr v3 takes a crc32c codec per chunk (`_ckpt_integrity`).
+      use_zarr3=True,
     )
   )
   return {_ARRAYS: arrays, _MANIFEST: ocp.JsonCheckpointHandler()}
@@ -264,15 +272,16 @@ def save_checkpoint(
     item_handlers=_handlers(max_host_bytes),
     options=options,
   ) as manager:
-    manager.save(
-      step,
-      args=ocp.args.Composite(
-        **{
-          _ARRAYS: ocp.args.PyTreeSave(arrays, save_args=save_args),
-          _MANIFEST: ocp.args.JsonSave(description.manifest),
-        }
-      ),
-    )
+    with checksummed_chunks():
+      manager.save(
+        step,
+        args=ocp.args.Composite(
+          **{
+            _ARRAYS: ocp.args.PyTreeSave(arrays, save_args=save_args),
+            _MANIFEST: ocp.args.JsonSave(seal(description.manifest)),
+          }
+        ),
+      )
   remove_old(directory, step, keep)
   return os.path.join(directory, str(step))
 
@@ -376,9 +385,12 @@ def restore_checkpoint(
   checkpointer = ocp.Checkpointer(
     ocp.CompositeCheckpointHandler(**_handlers(max_host_bytes))
   )
-  stored = checkpointer.restore(
-    path, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()})
-  )[_MANIFEST]
+  stored = read_manifest(
+    lambda: checkpointer.restore(
+      path, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()})
+    )[_MANIFEST],
+    path,
+  )
   description = describe(target)
   try:
     check(stored, description.manifest, cast_tables)
@@ -391,18 +403,22 @@ def restore_checkpoint(
   except ValueError as e:
     raise ValueError(f"{path}: {e}") from None
   reads = Reads.plan(stored, description, model)
-  arrays = checkpointer.restore(
+  arrays = read_arrays(
+    lambda: checkpointer.restore(
+      path,
+      args=ocp.args.Composite(
+        **{
+          _ARRAYS: ocp.args.PyTreeRestore(
+            item=dict.fromkeys(reads.args, 0),
+            restore_args=reads.args,
+            partial_restore=True,
+          )
+        }
+      ),
+    )[_ARRAYS],
     path,
-    args=ocp.args.Composite(
-      **{
-        _ARRAYS: ocp.args.PyTreeRestore(
-          item=dict.fromkeys(reads.args, 0),
-          restore_args=reads.args,
-          partial_restore=True,
-        )
-      }
-    ),
-  )[_ARRAYS]
+    stored,
+  )
   values = reads.values(arrays)
   if reads.trainer is None:
     return _assign(model, values)
