@@ -33,7 +33,7 @@ ANY_MODEL = DOCS / "any_model.md"
 RUN_HERE = {
   README: 1,
   GETTING_STARTED: 3,
-  CONCEPTS: 3,
+  CONCEPTS: 4,
   MULTIHOST: 2,
   GPU: 1,
   COMPAT: 2,
@@ -85,9 +85,12 @@ def test_getting_started_then_concepts_run_top_to_bottom():
   assert int(trainer.state.value.step) == 180
   # update_limits replaced the trainer's layer: FDO set its limits.
   assert trainer.model.embed.config.plan.stacks[0] != limits_before
-  # The resumed trainer holds the saved step and tables.
+  # The resumed trainer holds the saved step and tables; the checkpoint's
+  # folder is named by that step.
   assert int(resumed.state.value.step) == 180
   pzsc = namespace["pzsc"]
+  infos = pzsc.list_checkpoints(namespace["ckpt_dir"])
+  assert [(i.step, os.path.basename(i.path)) for i in infos] == [(180, "180")]
   saved = pzsc.logical_tables(trainer.model.embed)["items"]
   np.testing.assert_array_equal(
     pzsc.logical_tables(resumed.model.embed)["items"], saved
