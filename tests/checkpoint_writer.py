@@ -18,8 +18,9 @@ import pz_sparsecore as pzsc
 VOCAB, DIM = 20_000, 16
 
 
-def build(rng, vocab: int = VOCAB, dim: int = DIM):
-  """The layer: one Adagrad table `t` of `vocab` x `dim`, on one device."""
+def build(rng, vocab: int = VOCAB, dim: int = DIM, devices: int = 1):
+  """The layer: one Adagrad table `t` of `vocab` x `dim`, on the first
+  `devices` devices."""
   table = pzsc.TableSpec(
     name="t",
     vocabulary_size=vocab,
@@ -33,7 +34,7 @@ def build(rng, vocab: int = VOCAB, dim: int = DIM):
       name="f", table_spec=table, input_shape=(8, 1), output_shape=(8, dim)
     )
   }
-  mesh = Mesh(np.array(jax.devices()[:1]), ("device",))
+  mesh = Mesh(np.array(jax.devices()[:devices]), ("device",))
   return pzsc.SparseCoreEmbed.from_config("emb", rng, features, mesh)
 
 

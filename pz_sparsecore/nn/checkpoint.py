@@ -21,7 +21,9 @@ Writes are parallel and per process: every process writes the shards its
 devices hold (orbax's `ocdbt.process_<i>` files), nothing is gathered to one
 host, and the directory must be on a file system every process sees.
 `max_host_bytes` caps the bytes a process holds in flight between storage
-and memory (one device shard must fit under it).
+and memory (one device shard must fit under it). The processes agree on
+the checkpoint they restore and the step they save, and a failure on one
+reaches all within a second as an exception (`_ckpt_agree.py`).
 
 Atomicity. A save writes into `<n>.orbax-checkpoint-tmp`, syncs every file
 and directory, renames it to `<n>` and syncs `directory`; only then are
@@ -82,6 +84,11 @@ from etils import epath
 from orbax.checkpoint.path import atomicity
 from penzai import pz
 
+from pz_sparsecore.nn._ckpt_agree import (
+  Operation,
+  local_only,
+  synced,
+)
 from pz_sparsecore.nn._ckpt_integrity import (
   checksummed_chunks,
   read_arrays,
@@ -166,7 +173,11 @@ def _check_options(keep: int | None, max_host_bytes: int | None) -> None:
       raise ValueError(f"{name} must be None or a positive int, got {value!r}")
 
 
-def _handlers(max_host_bytes: int | None) -> dict[str, Any]:
+def _handlers(
+  max_host_bytes: int | None, op: Operation | None = None
+) -> dict[str, Any]:
+  """orbax's handlers of the two items; a save's (`op` given) end at a
+  sync point of `op` once written (`_ckpt_agree`)."""
   # Uncompressed: trained float tables shrink by a tenth under zstd, and
   # compressing them doubles the time of a save.
   arrays = ocp.PyTreeCheckpointHandler(
@@ -178,7 +189,10 @@ def _handlers(max_host_bytes: int | None) -> dict[str, Any]:
       use_zarr3=True,
     )
   )
-  return {_ARRAYS: arrays, _MANIFEST: ocp.JsonCheckpointHandler()}
+  handlers = {_ARRAYS: arrays, _MANIFEST: ocp.JsonCheckpointHandler()}
+  if op is None:
+    return handlers
+  return {item: synced(h, op, item) for item, h in handlers.items()}
 
 
 def _check_cap(description: Description, max_host_bytes: int | None) -> None:
@@ -251,6 +265,19 @@ def save_checkpoint(
     FileExistsError: If `directory` has a checkpoint of this step or a
       later one (nothing is written then).
   """
+  with Operation(f"save_checkpoint({os.fspath(directory)!r})") as op:
+    return _save(op, directory, target, step, keep, max_host_bytes)
+
+
+def _save(
+  op: Operation,
+  directory: str | os.PathLike,
+  target: Any,
+  step: int | None,
+  keep: int | None,
+  max_host_bytes: int | None,
+) -> str:
+  """`save_checkpoint` between the sync points of `op` (`_ckpt_agree`)."""
   _check_options(keep, max_host_bytes)
   description = describe(target)
   _check_cap(description, max_host_bytes)
@@ -260,6 +287,7 @@ def save_checkpoint(
   }
   directory = os.path.abspath(os.fspath(directory))
   step = save_step(directory, target, step)
+  op.agree_step("step", f"the step to save in {directory}", step)
   description.manifest[SAVED] = stamp(step, target)
   options = ocp.CheckpointManagerOptions(
     max_to_keep=None,  # remove_old: orbax would count incomplete folders.
@@ -269,7 +297,7 @@ def save_checkpoint(
   )
   with ocp.CheckpointManager(
     epath.Path(directory),
-    item_handlers=_handlers(max_host_bytes),
+    item_handlers=_handlers(max_host_bytes, op),
     options=options,
   ) as manager:
     with checksummed_chunks():
@@ -283,6 +311,7 @@ def save_checkpoint(
         ),
       )
   remove_old(directory, step, keep)
+  op.sync("done", "removing the old checkpoints")
   return os.path.join(directory, str(step))
 
 
@@ -375,15 +404,35 @@ def restore_checkpoint(
     ValueError: If the checkpoint does not match the target (naming the
       first difference) or an option is invalid; nothing is changed then.
   """
+  with Operation(f"restore_checkpoint({os.fspath(directory)!r})") as op:
+    return _restore(
+      op, directory, target, step, max_host_bytes, limits, cast_tables
+    )
+
+
+def _restore(
+  op: Operation,
+  directory: str | os.PathLike,
+  target: Any,
+  step: int | None,
+  max_host_bytes: int | None,
+  limits: str,
+  cast_tables: bool,
+) -> Any:
+  """`restore_checkpoint` between the sync points of `op`
+  (`_ckpt_agree`)."""
   _check_options(None, max_host_bytes)
   check_mode(limits)
   if not isinstance(cast_tables, bool):
     raise ValueError(f"cast_tables must be True or False, got {cast_tables!r}")
   directory = os.path.abspath(os.fspath(directory))
   path, step = choose(directory, step)
+  op.agree_step("step", f"the checkpoint to restore from {directory}", step)
   _LOG.info("restoring step %d from %s", step, path)
   checkpointer = ocp.Checkpointer(
-    ocp.CompositeCheckpointHandler(**_handlers(max_host_bytes))
+    ocp.CompositeCheckpointHandler(**_handlers(max_host_bytes)),
+    # No barrier in orbax: the sync point after the reads is the barrier.
+    multiprocessing_options=local_only(),
   )
   stored = read_manifest(
     lambda: checkpointer.restore(
@@ -419,6 +468,7 @@ def restore_checkpoint(
     path,
     stored,
   )
+  op.sync("read", f"reading {path}")
   values = reads.values(arrays)
   if reads.trainer is None:
     return _assign(model, values)

@@ -1,0 +1,169 @@
+"""One of 2 processes meeting checkpoint faults (launched by the tests).
+
+Usage: python checkpoint_multiprocess_worker.py MODE PROCESS_ID PORT OUT_DIR
+
+MODE "faults": the processes save versions 1 and 2 of a layer (steps 0
+and 1) into OUT_DIR/shared, then, each step recorded in
+OUT_DIR/faults_<process>.json:
+
+* views: each restores its own copy of the directory, process 1's without
+  step 1 (a lagging view);
+* damaged: each restores its own copy, process 1's with its shards' data
+  files truncated;
+* save: a save whose writes fail on process 1 only;
+* after each, the user's next action (restore from OUT_DIR/shared, or
+  save again and restore) on both;
+* finally the damaged restore again, uncaught: the process exits with it.
+
+MODE "train": trains in a loop (a step with a collective over both
+processes), printing `step <n>`, with JAX's heartbeat timeout of
+HEARTBEAT seconds (argument 5); the test kills one process.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import shutil
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+
+import jax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import checkpoint_writer  # noqa: E402
+from checkpoint_writer import set_version, version  # noqa: E402
+
+
+def build(rng):
+  """checkpoint_writer's layer over every process's devices."""
+  return checkpoint_writer.build(rng, devices=len(jax.devices()))
+
+
+def attempt(record: dict, name: str, fn) -> None:
+  """Runs `fn`, recording its error (type and message) and time."""
+  start = time.monotonic()
+  try:
+    result = fn()
+    record[name] = {"ok": result}
+  except Exception as e:
+    record[name] = {"error": f"{type(e).__name__}: {e}"}
+  record[name]["seconds"] = time.monotonic() - start
+
+
+def damage(directory: str, process: int) -> None:
+  """Truncates the data files of `process`'s shards in `directory`."""
+  for root, _, files in os.walk(directory):
+    if f"ocdbt.process_{process}" in root and os.sep + "d" in root:
+      for name in files:
+        with open(os.path.join(root, name), "r+b") as f:
+          f.truncate(16)
+
+
+def faults(process: int, out: str) -> None:
+  import orbax.checkpoint as ocp
+
+  import pz_sparsecore as pzsc
+
+  shared = os.path.join(out, "shared")
+  embed = build(jax.random.key(0))
+  for k in (1, 2):
+    set_version(embed, k)
+    pzsc.save_checkpoint(shared, embed, keep=None)
+  record: dict = {}
+
+  def restore(directory):
+    return version(pzsc.restore_checkpoint(directory, build(None)))
+
+  # A lagging view: process 1 does not see step 1 yet.
+  view = os.path.join(out, f"view_{process}")
+  shutil.copytree(shared, view)
+  if process == 1:
+    shutil.rmtree(os.path.join(view, "1"))
+  attempt(record, "views", lambda: restore(view))
+  attempt(record, "views_next", lambda: restore(shared))
+
+  # Process 1's copy has damaged shards.
+  damaged = os.path.join(out, f"damaged_{process}")
+  shutil.copytree(shared, damaged)
+  if process == 1:
+    damage(os.path.join(damaged, "1"), 1)
+  attempt(record, "damaged", lambda: restore(damaged))
+  attempt(record, "damaged_next", lambda: restore(shared))
+
+  # A save whose writes fail on process 1 only.
+  handler = ocp.PyTreeCheckpointHandler
+  original = handler.async_save
+
+  async def failing(self, *args, **kwargs):
+    if process == 1:
+      raise OSError("disk full (injected)")
+    return await original(self, *args, **kwargs)
+
+  set_version(embed, 3)
+  handler.async_save = failing
+  attempt(record, "save", lambda: pzsc.save_checkpoint(shared, embed))
+  handler.async_save = original
+  record["save_left"] = sorted(os.listdir(shared))
+
+  def save_and_restore():
+    set_version(embed, 4)
+    pzsc.save_checkpoint(shared, embed)
+    return restore(shared)
+
+  attempt(record, "save_next", save_and_restore)
+  with open(os.path.join(out, f"faults_{process}.json"), "w") as f:
+    json.dump(record, f)
+  print(f"uncaught at {time.time()}", flush=True)
+  restore(damaged)
+
+
+def train(process: int) -> None:
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = Mesh(np.array(jax.devices()), ("device",))
+  sharding = NamedSharding(mesh, P("device"))
+  x = jax.make_array_from_process_local_data(
+    sharding, np.ones((4, 16), np.float32), (8, 16)
+  )
+
+  @jax.jit
+  def step(x):
+    # Every process's rows meet in the sum: a collective each step.
+    return x * 0.5 + jnp.sum(x) / x.size
+
+  for n in range(1_000_000):
+    x = step(x)
+    float(jnp.sum(x))
+    print(f"step {n}", flush=True)
+    time.sleep(0.05)
+
+
+def main() -> None:
+  mode = sys.argv[1]
+  process, port = int(sys.argv[2]), int(sys.argv[3])
+  out = sys.argv[4]
+  heartbeat = int(sys.argv[5]) if len(sys.argv) > 5 else 100
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(
+    f"localhost:{port}",
+    num_processes=2,
+    process_id=process,
+    heartbeat_timeout_seconds=heartbeat,
+  )
+  if mode == "faults":
+    # A hang shows where each process waits (the run takes seconds).
+    faulthandler.dump_traceback_later(90, exit=True)
+    faults(process, out)
+  else:
+    train(process)
+
+
+if __name__ == "__main__":
+  main()
