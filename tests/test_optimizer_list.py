@@ -214,9 +214,14 @@ def test_compat_specs_are_the_frozen_specs():
   assert {cls.__name__ for cls in classes} <= set(embedding_spec.__all__)
   for cls in classes:
     frozen = getattr(specs, cls.__name__)
+    # The frozen spec's fields, then upstream's fields it lacks (a custom
+    # optimizer's `stablehlo`, turned into its function by `to_pz`).
     assert cls._FIELDS == tuple(
       (f.name, f.default) for f in dataclasses.fields(frozen)
-    )
+    ) + tuple(cls._UPSTREAM_FIELDS)
+    assert not {name for name, _ in cls._UPSTREAM_FIELDS} & {
+      f.name for f in dataclasses.fields(frozen)
+    }
     if frozen is specs.CustomOptimizerSpec:
       continue
     assert cls().to_pz() == frozen()
