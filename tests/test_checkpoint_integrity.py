@@ -125,21 +125,9 @@ CASES = {
   "edited-manifest": (edit_manifest, ValueError, "manifest"),
   "missing-manifest": (remove_manifest, FileNotFoundError, "manifest"),
 }
-# The step choice takes a folder whose manifest does not read for an
-# incomplete save and restores the checkpoint before it without a word;
-# these cases pass once it reports a damaged newest checkpoint instead
-# (the messages are read_manifest's).
-_SKIPPED_BY_THE_STEP_CHOICE = {"garbled-manifest", "missing-manifest"}
 
 
-def _case(name: str):
-  if name not in _SKIPPED_BY_THE_STEP_CHOICE:
-    return name
-  reason = "a numbered folder with an unreadable manifest is skipped"
-  return pytest.param(name, marks=pytest.mark.xfail(reason=reason, strict=True))
-
-
-@pytest.mark.parametrize("case", [_case(name) for name in sorted(CASES)])
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_damage_raises_and_the_previous_checkpoint_restores(tmp_path, case):
   damage, error, names = CASES[case]
   embed = checkpoint_writer.build(jax.random.key(0))

@@ -176,7 +176,10 @@ def test_keep_counts_complete_checkpoints_only(tmp_path):
   shutil.copytree(tmp_path / "3", tmp_path / "4")
   shutil.rmtree(tmp_path / "4" / "manifest")
   assert listed(tmp_path) == [1, 2, 3]
-  assert_version(restored(tmp_path), 3)
+  # The newest numbered folder is refused by name, not passed over.
+  with pytest.raises(FileNotFoundError, match="4/manifest"):
+    restored(tmp_path)
+  assert_version(restored(tmp_path, step=3), 3)
   save_versions(tmp_path, [5], keep=2)
   assert folders(tmp_path) == ["3", "5"]
   assert_version(restored(tmp_path, step=3), 3)

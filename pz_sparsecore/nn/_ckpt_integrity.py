@@ -44,12 +44,11 @@ import tensorstore as ts
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
 from pz_sparsecore.nn._ckpt_manifest import TABLE
+from pz_sparsecore.nn._ckpt_steps import MANIFEST_FILE
 
 CHECKSUM = "crc32"
 """The manifest's own checksum field."""
 
-MANIFEST_FILE = "metadata"
-"""The file orbax's `JsonCheckpointHandler` writes the manifest to."""
 
 _CRC32C = {"name": "crc32c"}
 
@@ -116,11 +115,17 @@ def read_manifest(read: Callable[[], Any], path: str) -> dict[str, Any]:
     FileNotFoundError: If the manifest is missing.
     ValueError: If it is not JSON or its checksum does not match.
   """
-  file = os.path.join(path, "manifest", MANIFEST_FILE)
+  file = os.path.join(path, MANIFEST_FILE)
+  missing = FileNotFoundError(
+    f"{path}: the manifest {file} is missing (an older checkpoint restores "
+    "with step=, pz_sparsecore.list_checkpoints lists them)"
+  )
+  if not os.path.isfile(file):  # orbax says KeyError without its folder.
+    raise missing
   try:
     stored = read()
   except FileNotFoundError:
-    raise FileNotFoundError(f"{path}: the manifest {file} is missing") from None
+    raise missing from None
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise ValueError(
       f"{path}: the manifest {file} is damaged (not JSON: {e})"

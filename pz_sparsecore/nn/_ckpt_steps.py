@@ -17,10 +17,12 @@ directory.
 
 Complete. A checkpoint is complete when its folder is named by a bare
 number and holds a pz_sparsecore manifest that reads. A temporary folder
-(`<n>.orbax-checkpoint-tmp-<time>`, a save interrupted before its rename)
+(`<n>.orbax-checkpoint-tmp`, a save interrupted before its rename)
 and a numbered folder without a readable manifest (a deletion interrupted
-by an earlier version) are not checkpoints: restores and the listing skip
-them, and `keep` does not count them.
+by an earlier version, or damage) are not checkpoints: the listing skips
+them and `keep` does not count them. A restore reads the newest numbered
+folder (or the one of `step=`) and refuses it by name if its manifest is
+missing or damaged, rather than quietly reading an older checkpoint.
 
 Keep. Only after the new checkpoint is complete (synced, renamed, the
 directory synced) does process 0 delete the complete checkpoints beyond
@@ -29,7 +31,7 @@ are not complete. Each is renamed to a temporary name first, so a crash
 while deleting leaves no partial checkpoint under a number (the next save
 removes temporary folders). The new checkpoint always stays: with `keep=1`
 the previous one goes only once the new one is complete. E.g. folders `0`,
-`100`, `150.orbax-checkpoint-tmp-1733` (a crash), `keep=2` and a trainer at
+`100`, `150.orbax-checkpoint-tmp` (a crash), `keep=2` and a trainer at
 step 200: the save removes the temporary folder, writes `200`, then
 deletes `0`; `100` and `200` remain.
 
@@ -64,7 +66,7 @@ from pz_sparsecore.nn.training import SparseCoreTrainer
 
 MANIFEST_ITEM = "manifest"
 """The orbax item that holds a checkpoint's manifest."""
-_MANIFEST_FILE = os.path.join(MANIFEST_ITEM, "metadata")
+MANIFEST_FILE = os.path.join(MANIFEST_ITEM, "metadata")
 """The manifest's JSON file (the name orbax's JsonCheckpointHandler gives
 it), read directly: the listing opens no orbax checkpoint."""
 _FORMAT = "pz_sparsecore.checkpoint"
@@ -112,7 +114,7 @@ def _manifest(path: str) -> dict[str, Any] | None:
   """The manifest of the checkpoint at `path`; None if it has none that
   reads (the folder is then not a complete checkpoint)."""
   try:
-    with open(os.path.join(path, _MANIFEST_FILE)) as f:
+    with open(os.path.join(path, MANIFEST_FILE)) as f:
       manifest = json.load(f)
   except (OSError, ValueError):
     return None
@@ -138,25 +140,32 @@ def _check_step(step: Any) -> None:
 def choose(directory: str, step: int | None) -> tuple[str, int]:
   """The checkpoint a restore reads: `(path, step)`.
 
+  The newest folder named by a bare number (or the one of `step`), whether
+  or not its manifest reads: a committed folder was renamed into place
+  whole, so one whose manifest is missing or damaged was damaged after the
+  save, and the restore refuses it by name (`_ckpt_integrity`) rather than
+  quietly reading an older checkpoint; `step=` picks an older one.
+
   Args:
     directory: The checkpoint directory (absolute).
-    step: The training step asked for; None: the newest complete one.
+    step: The training step asked for; None: the newest.
 
   Returns:
     The checkpoint's folder and step.
 
   Raises:
-    FileNotFoundError: If there is no complete checkpoint (of `step`),
-      listing the steps there are.
+    FileNotFoundError: If there is no checkpoint (of `step`), listing the
+      steps there are.
     ValueError: If `step` is not None or an int >= 0.
   """
   if step is not None:
     _check_step(step)
-  for found in reversed(_numbered(directory)):
-    path = os.path.join(directory, str(found))
-    if step in (None, found) and _manifest(path) is not None:
-      return path, found
-  if step is None:
+  numbered = _numbered(directory)
+  if step is None and numbered:
+    step = numbered[-1]
+  if step in numbered:
+    return os.path.join(directory, str(step)), step
+  if not numbered:
     raise FileNotFoundError(f"no checkpoint in {directory}")
   raise FileNotFoundError(
     f"no checkpoint of step {step} in {directory}; its steps are "
