@@ -105,6 +105,7 @@ _EXPORTS = {
   "restore_checkpoint": "nn.checkpoint",
   "list_checkpoints": "nn.checkpoint",
   "CheckpointInfo": "nn.checkpoint",
+  "PeerError": "nn.checkpoint",
   "logical_tables": "nn.tables",
   "logical_slots": "nn.tables",
   "set_logical_tables": "nn.tables",

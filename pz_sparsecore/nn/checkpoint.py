@@ -86,6 +86,7 @@ from penzai import pz
 
 from pz_sparsecore.nn._ckpt_agree import (
   Operation,
+  PeerError,
   local_only,
   synced,
 )
@@ -118,6 +119,7 @@ from pz_sparsecore.nn.training import SparseCoreTrainer
 
 __all__ = [
   "CheckpointInfo",
+  "PeerError",
   "list_checkpoints",
   "restore_checkpoint",
   "save_checkpoint",
