@@ -43,6 +43,7 @@ from typing import Any
 import tensorstore as ts
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
+from pz_sparsecore.nn._ckpt_delta import ROWS
 from pz_sparsecore.nn._ckpt_manifest import TABLE
 from pz_sparsecore.nn._ckpt_steps import MANIFEST_FILE
 
@@ -153,9 +154,18 @@ def _owners(stored: Mapping[str, Any]) -> dict[str, tuple[str, bool]]:
       what = f"table {tables[0]!r}"
       if len(tables) > 1:
         what = f"tables {', '.join(map(repr, tables))} (stack {stack!r})"
+      # A delta's stacks hold rows, not shards (`_ckpt_delta`).
+      rows = entry.get(ROWS)
+      if rows is not None:
+        out[rows] = (
+          f"row addresses of {what} of SparseCoreEmbed {layer!r}",
+          False,
+        )
       for array, key in entry["arrays"].items():
         slot = "" if array == TABLE else f"slot {array!r} of "
-        out[key] = (f"{slot}{what} of SparseCoreEmbed {layer!r}", True)
+        if rows is not None:
+          slot = f"touched rows of {slot}"
+        out[key] = (f"{slot}{what} of SparseCoreEmbed {layer!r}", rows is None)
   for label, entry in stored["variables"].items():
     out[entry["array"]] = (f"variable {label!r}", False)
   for entry in stored["trainer"] or ():

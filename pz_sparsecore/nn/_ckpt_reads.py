@@ -199,10 +199,20 @@ class Reads:
     cls, stored: Mapping[str, Any], description: Description, model: Any
   ) -> Reads:
     """The reads of a target whose manifest `check` accepted."""
-    args, stacks = {}, {}
+    leaves = cls.plan_leaves(stored, description)
+    args, stacks = dict(leaves.args), {}
     for embed in find_embeds(model):
       layer = stored["embeds"][embed.config.name]
       stacks.update(_embed_reads(embed, layer, args))
+    return dataclasses.replace(leaves, args=args, stacks=stacks)
+
+  @classmethod
+  def plan_leaves(
+    cls, stored: Mapping[str, Any], description: Description
+  ) -> Reads:
+    """The reads of the dense variables and trainer leaves only (a delta
+    checkpoint's, `_ckpt_delta`)."""
+    args = {}
     target, values = description.manifest, description.values
     labels = list(target["variables"])
     variables = _leaf_reads(
@@ -214,7 +224,7 @@ class Reads:
     trainer = None
     if target["trainer"] is not None:
       trainer = _leaf_reads(stored["trainer"], target["trainer"], values, args)
-    return cls(args, stacks, dict(zip(labels, variables, strict=True)), trainer)
+    return cls(args, {}, dict(zip(labels, variables, strict=True)), trainer)
 
   def values(self, arrays: Mapping[str, Any]) -> dict[str, Any]:
     """Label → the restored value of every variable."""

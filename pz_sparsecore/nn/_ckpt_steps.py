@@ -35,6 +35,13 @@ the previous one goes only once the new one is complete. E.g. folders `0`,
 step 200: the save removes the temporary folder, writes `200`, then
 deletes `0`; `100` and `200` remain.
 
+Deltas. A delta checkpoint (`_ckpt_delta.py`) holds the rows touched
+since its *parent*, the checkpoint saved before it, and names its *base*,
+the full checkpoint its chain starts from: its manifest's `"delta":
+{"base": 100, "parent": 150}`. `keep` counts deltas as checkpoints, and
+keeps the chain of every checkpoint it keeps: with full `100`, deltas
+`150`, `200` and `keep=1`, `100` and `150` stay beside `200`.
+
 Listing. `list_checkpoints` reads the manifests only (and the folders'
 sizes); `save_checkpoint` writes the facts it shows into the manifest::
 
@@ -72,6 +79,8 @@ it), read directly: the listing opens no orbax checkpoint."""
 _FORMAT = "pz_sparsecore.checkpoint"
 SAVED = "saved"
 """The manifest's key for what `stamp` records."""
+DELTA = "delta"
+"""The manifest's key of a delta checkpoint's base and parent steps."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +97,8 @@ class CheckpointInfo:
       checkpoint, which did not record it).
     size_bytes: Bytes of its files.
     path: Its folder.
+    base: For a delta checkpoint, the step of the full checkpoint its
+      chain starts from; None for a full checkpoint.
   """
 
   step: int
@@ -97,6 +108,12 @@ class CheckpointInfo:
   num_processes: int | None
   size_bytes: int
   path: str
+  base: int | None = None
+
+  @property
+  def is_delta(self) -> bool:
+    """Whether it holds only the rows touched since the previous save."""
+    return self.base is not None
 
 
 def _numbered(directory: str) -> list[int]:
@@ -223,6 +240,29 @@ def stamp(step: int, target: Any) -> dict[str, Any]:
   }
 
 
+def parent(manifest: Mapping[str, Any]) -> int | None:
+  """The step a delta checkpoint's manifest chains onto; None for a full
+  checkpoint."""
+  delta = manifest.get(DELTA)
+  return None if delta is None else int(delta["parent"])
+
+
+def chain(directory: str, step: int) -> list[int]:
+  """The steps of checkpoint `step`'s chain, its full checkpoint first and
+  `step` last (`[step]` for a full one), as far as their manifests read."""
+  out = []
+  while step is not None and step not in out:
+    out.append(step)
+    manifest = _manifest(os.path.join(directory, str(step)))
+    step = None if manifest is None else parent(manifest)
+  return out[::-1]
+
+
+def _chains(directory: str, kept: set[int]) -> set[int]:
+  """`kept` and every checkpoint the chains of its deltas go through."""
+  return {found for step in kept for found in chain(directory, step)}
+
+
 def remove_old(directory: str, newest: int, keep: int | None) -> None:
   """Deletes what `keep` does not keep, once step `newest` is complete.
 
@@ -231,7 +271,7 @@ def remove_old(directory: str, newest: int, keep: int | None) -> None:
   if keep is None or jax.process_index() != 0:
     return
   complete = steps(directory)
-  kept = set(complete[-keep:]) | {newest}
+  kept = _chains(directory, set(complete[-keep:]) | {newest})
   for found in _numbered(directory):
     if found < newest and found not in kept:
       path = os.path.join(directory, str(found))
@@ -280,6 +320,7 @@ def _info(path: str, step: int, manifest: Mapping[str, Any]) -> CheckpointInfo:
     num_processes=saved["num_processes"],
     size_bytes=_size(path),
     path=path,
+    base=None if DELTA not in manifest else int(manifest[DELTA]["base"]),
   )
 
 

@@ -90,6 +90,13 @@ from pz_sparsecore.nn._ckpt_agree import (
   local_only,
   synced,
 )
+from pz_sparsecore.nn._ckpt_delta import (
+  Chain,
+  check_options,
+  described,
+  parent_of_save,
+  saved,
+)
 from pz_sparsecore.nn._ckpt_integrity import (
   checksummed_chunks,
   read_arrays,
@@ -234,6 +241,8 @@ def save_checkpoint(
   step: int | None = None,
   keep: int | None = 1,
   max_host_bytes: int | None = None,
+  delta: bool = False,
+  full_every: int | None = None,
 ) -> str:
   """Saves a model or a `SparseCoreTrainer`; returns the checkpoint's path.
 
@@ -244,7 +253,14 @@ def save_checkpoint(
   `directory` (0 in an empty one). The step must be greater than every
   checkpoint's there: an existing checkpoint is never replaced. Once the
   new checkpoint is complete, the complete checkpoints beyond the newest
-  `keep` are deleted (`_ckpt_steps.py` says which folders count).
+  `keep` are deleted (`_ckpt_steps.py` says which folders count), but
+  never a checkpoint that a kept delta's chain needs.
+
+  Deltas. A trainer built with `track_touched=True` can save a *delta*:
+  the table rows (and their slots) its steps touched since its previous
+  save, with the dense variables and its state whole. A restore of a delta
+  reads the chain's full checkpoint and applies its deltas in order, onto
+  any topology, bit for bit what a full save would have restored.
 
   Args:
     directory: The checkpoint directory (created if missing), on a file
@@ -257,18 +273,29 @@ def save_checkpoint(
       among them); None keeps all.
     max_host_bytes: Most bytes this process holds in flight between its
       devices and storage at once; None is unlimited.
+    delta: Save a delta onto the newest checkpoint of `directory`, which
+      must be the trainer's previous save (or the checkpoint it was
+      restored from).
+    full_every: Instead of `delta`: a full checkpoint every `full_every`
+      saves and deltas between (a save is full when the newest chain
+      already holds `full_every` checkpoints, or when the newest checkpoint
+      is not the trainer's previous save, e.g. the first one).
 
   Returns:
     The path of the new checkpoint.
 
   Raises:
-    ValueError: If a variable's value cannot be stored or an option is
-      invalid.
+    ValueError: If a variable's value cannot be stored, an option is
+      invalid, or `delta=True` and the save cannot be a delta (the target
+      is not a trainer that tracks its rows, or the newest checkpoint is not
+      its previous save).
     FileExistsError: If `directory` has a checkpoint of this step or a
       later one (nothing is written then).
   """
   with Operation(f"save_checkpoint({os.fspath(directory)!r})") as op:
-    return _save(op, directory, target, step, keep, max_host_bytes)
+    return _save(
+      op, directory, target, step, keep, max_host_bytes, delta, full_every
+    )
 
 
 def _save(
@@ -278,18 +305,27 @@ def _save(
   step: int | None,
   keep: int | None,
   max_host_bytes: int | None,
+  delta: bool = False,
+  full_every: int | None = None,
 ) -> str:
   """`save_checkpoint` between the sync points of `op` (`_ckpt_agree`)."""
   _check_options(keep, max_host_bytes)
+  check_options(delta, full_every)
+  directory = os.path.abspath(os.fspath(directory))
+  parent = parent_of_save(directory, target, delta, full_every)
   description = describe(target)
+  if parent is not None:
+    description = described(description, target, directory, parent)
   _check_cap(description, max_host_bytes)
   arrays = {key: _storable(v) for key, v in description.values.items()}
   save_args = {
     key: ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES) for key in arrays
   }
-  directory = os.path.abspath(os.fspath(directory))
   step = save_step(directory, target, step)
   op.agree_step("step", f"the step to save in {directory}", step)
+  op.agree_step(
+    "parent", f"the checkpoint a delta in {directory} chains onto", parent
+  )
   description.manifest[SAVED] = stamp(step, target)
   options = ocp.CheckpointManagerOptions(
     max_to_keep=None,  # remove_old: orbax would count incomplete folders.
@@ -312,6 +348,7 @@ def _save(
           }
         ),
       )
+  saved(target, directory, step)
   remove_old(directory, step, keep)
   op.sync("done", "removing the old checkpoints")
   return os.path.join(directory, str(step))
@@ -436,45 +473,57 @@ def _restore(
     # No barrier in orbax: the sync point after the reads is the barrier.
     multiprocessing_options=local_only(),
   )
-  stored = read_manifest(
-    lambda: checkpointer.restore(
-      path, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()})
-    )[_MANIFEST],
-    path,
-  )
+
+  def manifest_of(path: str) -> dict[str, Any]:
+    return read_manifest(
+      lambda: checkpointer.restore(
+        path, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()})
+      )[_MANIFEST],
+      path,
+    )
+
+  def arrays_of(path: str, stored: Mapping[str, Any], args: dict) -> Any:
+    return read_arrays(
+      lambda: checkpointer.restore(
+        path,
+        args=ocp.args.Composite(
+          **{
+            _ARRAYS: ocp.args.PyTreeRestore(
+              item=dict.fromkeys(args, 0),
+              restore_args=args,
+              partial_restore=True,
+            )
+          }
+        ),
+      )[_ARRAYS],
+      path,
+      stored,
+    )
+
+  # A delta's chain: its full checkpoint is read as any, its deltas after.
+  chain = Chain.follow(directory, path, manifest_of(path), manifest_of)
+  path, stored = chain.path, chain.manifest
   description = describe(target)
   try:
     check(stored, description.manifest, cast_tables)
     model = restore_limits(
       target.model if isinstance(target, SparseCoreTrainer) else target,
-      stored["embeds"],
+      chain.newest["embeds"],
       description.manifest["embeds"],
       limits,
     )
   except ValueError as e:
     raise ValueError(f"{path}: {e}") from None
+  chain.read(arrays_of, description, cast_tables)
   reads = Reads.plan(stored, description, model)
-  arrays = read_arrays(
-    lambda: checkpointer.restore(
-      path,
-      args=ocp.args.Composite(
-        **{
-          _ARRAYS: ocp.args.PyTreeRestore(
-            item=dict.fromkeys(reads.args, 0),
-            restore_args=reads.args,
-            partial_restore=True,
-          )
-        }
-      ),
-    )[_ARRAYS],
-    path,
-    stored,
-  )
+  arrays = arrays_of(path, stored, reads.args)
   op.sync("read", f"reading {path}")
-  values = reads.values(arrays)
+  leaves = None if reads.trainer is None else reads.trainer_leaves(arrays)
+  values, leaves = chain.apply(model, reads.values(arrays), leaves)
   if reads.trainer is None:
     return _assign(model, values)
-  leaves = reads.trainer_leaves(arrays)
-  return restored_trainer(
+  restored = restored_trainer(
     target, description.trainer_treedef, leaves, _assign(model, values)
   )
+  saved(restored, directory, step)
+  return restored

@@ -1,0 +1,234 @@
+"""The rows a trainer's steps touch, tracked on device for delta checkpoints.
+
+A `SparseCoreTrainer` built with `track_touched=True` holds a `Touched`:
+per stack of every `SparseCoreEmbed`, a `[N, V_shard]` bool bitmap sharded
+like the stack's table (one byte per row: 1/128 of a 64-wide bfloat16
+table), and the checkpoint it counts from (`since`: the directory and step
+of the trainer's last save or restore). Every step sets the rows its batch
+references (`mark`); a save writes the rows set since `since` (a delta,
+`_ckpt_delta.py`) and clears them (`Touched.clear`).
+
+The rows the fused update writes are the valid entries of the preprocessed
+buffers: per device and SparseCore segment, entry `j` of partition `p`
+(its range given by the row pointers, `buffer_format`) with an embedding id
+other than `PAD_ID` is row `id` of shard `p`. `mark` decodes them as the
+kernels do (`reference.decode_entries`, all `N` partitions at once: flat
+row `p * V_shard + id`), gathers every device's over the sharding axis
+(O(global batch)) and sets, on each device, those of its own shards: a
+scatter of O(batch) entries, never O(vocabulary). Entries with an id but
+an invalid sample id are counted too: a superset of the written rows only
+adds unchanged rows to a delta.
+
+Example: N = 2 shards of 8 rows, one device, one segment with row pointers
+`[3, 10, 16, ...]` and ids `[5, 1, 5, PAD, PAD, PAD, PAD, PAD, 0, 7, ...]`:
+partition 0 holds entries 0-2 (rows 5, 1, 5 of shard 0), partition 1
+entries 8-9 (rows 0, 7 of shard 1); the bitmap gets `[0, 1]`, `[0, 5]`,
+`[1, 0]` and `[1, 7]`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pz_sparsecore.core import buffer_format
+from pz_sparsecore.core.plan import Plan, StackPlan, single_minibatch
+from pz_sparsecore.device import minibatching
+from pz_sparsecore.device.kernels import contract, reference
+from pz_sparsecore.device.topology import Topology
+from pz_sparsecore.nn.embed import SparseCoreEmbed, find_embeds
+
+_FIELDS = (
+  "lhs_row_pointers",
+  "lhs_embedding_ids",
+  "lhs_sample_ids",
+  "lhs_gains",
+)
+
+
+class Touched:
+  """A trainer's touched-row bitmaps and the checkpoint they count from.
+
+  Attributes:
+    bitmaps: Table variable label → `[N, V_shard]` bool, sharded like the
+      table: the rows the steps touched since `since`.
+    since: `(directory, step)` of the checkpoint the bitmaps count from
+      (the trainer's last save or restore), or None (none yet).
+  """
+
+  def __init__(self, model: Any):
+    self.bitmaps = _zeros(model)
+    self.since: tuple[str, int] | None = None
+
+  def clear(self, model: Any, directory: str, step: int) -> None:
+    """Clears the bitmaps: they count from checkpoint `step` of
+    `directory` on (`model` gives their layout, perhaps a new one)."""
+    self.bitmaps = _zeros(model)
+    self.since = (directory, step)
+
+
+def _zeros(model: Any) -> dict[str, jax.Array]:
+  out = {}
+  for embed in find_embeds(model):
+    config = embed.config
+    for stack in config.plan.stacks:
+      sharding = config.topology.table_sharding(stack.name, ndim=2)
+      out[config.table_label(stack.name)] = jnp.zeros(
+        (config.plan.num_shards, stack.rows_per_shard),
+        jnp.bool_,
+        device=sharding,
+      )
+  return out
+
+
+def _flat_rows(stack: StackPlan, topo: Topology, buffers) -> jax.Array:
+  """Per local entry, its flat row `p * V_shard + id` of the whole stack
+  (`N * V_shard` for entries that update nothing)."""
+  s, n = topo.num_sc_per_device, topo.num_shards
+  rp, ids, sids, _ = (jnp.reshape(b, -1) for b in buffers)
+  shape = contract.BufferShape(
+    num_segments=s,
+    # Any sample id short of PAD_ID counts (see the module docstring).
+    samples_per_segment=buffer_format.PAD_ID // s,
+    num_partitions=n,
+    rows_per_partition=stack.rows_per_shard,
+    partition_begin=0,
+    num_table_partitions=n,
+    seg_len=ids.size // s,
+    rp_stride=buffer_format.row_pointers_per_sc(n),
+    dim=stack.dim,
+  )
+  _, rows, _ = reference.decode_entries(rp, ids, sids, shape)
+  return rows
+
+
+def _set(
+  bitmap: jax.Array, rows: jax.Array, topo: Topology, replicated: bool
+) -> jax.Array:
+  """The local bitmap with every device's `rows` of its shards set."""
+  rows = jax.lax.all_gather(rows, topo.axis, tiled=True)
+  local, width = bitmap.shape
+  if not replicated:
+    rows = rows - jax.lax.axis_index(topo.axis) * (local * width)
+  # Rows of other devices' shards (and invalid entries) fall outside and are
+  # dropped.
+  inside = (rows >= 0) & (rows < local * width)
+  rows = jnp.where(inside, rows, local * width)
+  flat = bitmap.reshape(-1).at[rows].set(True, mode="drop")
+  return flat.reshape(local, width)
+
+
+def _mark_layer(plan: Plan, topo: Topology, bitmaps, inputs):
+  """`bitmaps` (stack name → local bitmap) with the batch's rows set;
+  per device, inside `shard_map`."""
+  out = dict(bitmaps)
+  if inputs.num_minibatches is None:
+    for stack in plan.stacks:
+      buffers = [getattr(inputs, f)[stack.name] for f in _FIELDS]
+      out[stack.name] = _set(
+        out[stack.name],
+        _flat_rows(stack, topo, buffers),
+        topo,
+        topo.is_replicated(stack.name),
+      )
+    return out
+  small = single_minibatch(plan)
+
+  def body(m, out):
+    part = minibatching.minibatch_inputs(plan, inputs, m)
+    return _mark_layer(small, topo, out, part)
+
+  count = minibatching.num_minibatches(inputs, topo.axis)
+  return jax.lax.fori_loop(0, count, body, out)
+
+
+def mark(
+  active: Iterable[tuple[SparseCoreEmbed, Any, Any]],
+  bitmaps: Mapping[str, jax.Array],
+) -> dict[str, jax.Array]:
+  """The bitmaps with the rows of this step's batches set (in the step).
+
+  Args:
+    active: `(layer, its PreprocessedInput, its activation gradients)` of
+      every layer the step updates.
+    bitmaps: `Touched.bitmaps` as the step received them.
+
+  Returns:
+    The new bitmaps, by label.
+  """
+  out = dict(bitmaps)
+  for embed, inputs, act_grads in active:
+    config = embed.config
+    plan, topo = embed.plan_of(act_grads), config.topology
+    labels = {s.name: config.table_label(s.name) for s in plan.stacks}
+    specs = {name: topo.table_spec(name) for name in labels}
+    batch = P(topo.axis)
+    new = jax.shard_map(
+      functools.partial(_mark_layer, plan, topo),
+      mesh=topo.mesh,
+      in_specs=(specs, jax.tree.map(lambda _, b=batch: b, inputs)),
+      out_specs=specs,
+      check_vma=False,
+    )({name: out[label] for name, label in labels.items()}, inputs)
+    for name, label in labels.items():
+      out[label] = new[name]
+  return out
+
+
+# ---------------------------------------------------------------------------
+# Reading the touched rows at a save.
+
+
+def _bucket(count: int) -> int:
+  """`count` rounded up to a power of two (at least 8): saves with similar
+  counts share one compiled gather."""
+  return max(8, 1 << max(count - 1, 0).bit_length())
+
+
+@jax.jit(static_argnames=("size",))
+def _nonzero(bitmap: jax.Array, size: int) -> jax.Array:
+  flat = bitmap.reshape(-1)
+  return jnp.nonzero(flat, size=size, fill_value=flat.size)[0]
+
+
+@jax.jit
+def _gather(value: jax.Array, rows: jax.Array) -> jax.Array:
+  flat = value.reshape(-1, value.shape[-1])
+  return flat.at[rows].get(mode="fill", fill_value=0)
+
+
+def _host(value: jax.Array) -> np.ndarray:
+  """A replicated array's value on this process."""
+  if value.is_fully_addressable:
+    return np.asarray(value)
+  return np.asarray(value.addressable_data(0))
+
+
+def touched_rows(
+  bitmap: jax.Array, values: Iterable[jax.Array]
+) -> tuple[np.ndarray, list[np.ndarray]]:
+  """The set rows of a bitmap and those rows of each value.
+
+  Reads the bitmap once (O(vocabulary) bytes of one byte per row, at a
+  save) and gathers O(touched rows) of each `[N, V_shard, W]` value.
+
+  Args:
+    bitmap: `[N, V_shard]` bool.
+    values: Arrays laid out like the bitmap, with a last axis.
+
+  Returns:
+    The flat rows `shard * V_shard + row` (int64, ascending) and, per value,
+    its `[K, W]` rows.
+  """
+  replicated = NamedSharding(bitmap.sharding.mesh, P())
+  count = int(jnp.sum(bitmap, dtype=jnp.int32))
+  rows = jax.device_put(_nonzero(bitmap, size=_bucket(count)), replicated)
+  out = [_host(jax.device_put(_gather(v, rows), replicated)) for v in values]
+  return _host(rows)[:count].astype(np.int64), [x[:count] for x in out]
