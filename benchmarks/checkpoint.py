@@ -1,33 +1,44 @@
 """Checkpoint save and restore time, with and without chunk checksums.
 
-One table (default 8M x 64 bfloat16 with row-wise Adagrad, 1.0 GiB + 32
-MiB of slots; `--rows 100000000` is the 12.8 GB table of
-`benchmarks/large_table.py`, which needs a second process to restore on a
-24 GiB machine: not done here) is saved and restored with
-`pzsc.save_checkpoint` / `pzsc.restore_checkpoint` in three formats:
+One table (default 8M x 64 bfloat16 with row-wise Adagrad, 0.95 GiB + 31
+MiB of slots; `--rows 100000000` is the 11.9 GiB table of
+`benchmarks/large_table.py`) is saved and restored with
+`pzsc.save_checkpoint` / `pzsc.restore_checkpoint` in these formats:
 
-* `zarr2`: the format before checksums (orbax's default zarr v2 chunks);
-* `zarr3`: zarr v3 chunks without a checksum;
-* `zarr3+crc32c`: what `save_checkpoint` writes (a CRC-32C per chunk,
-  checked by TensorStore on every read).
+* `zarr2`: the format before checksums (orbax's zarr v2 chunks, nothing
+  checked);
+* `zarr2+crc32`: what `save_checkpoint` writes now (zarr v2 chunks, the
+  CRC-32 of every chunk in the manifest, checked on every restore);
+* `zarr3+crc32c`: what f427531 wrote (zarr v3 with a crc32c codec per
+  chunk, checked by TensorStore as it decodes).
 
-Rounds interleave the formats; the table prints the median seconds and the
-bytes on disk. Restores read from the page cache (the save just wrote the
-files), so they time the decode and the copy, where checksums would show.
+Each round saves the formats from one process that builds the table once,
+then restores each checkpoint in a process of its own (a target without
+values, so the table is in memory once: 100M rows fit a 24 GiB machine),
+and deletes it. The order of the formats rotates from round to round. The
+table prints the median seconds, the bytes on disk and the load average
+seen during the runs. Restores read what the save has just written, from
+the page cache as far as memory allows.
 
 Usage: python benchmarks/checkpoint.py [--rows 8000000] [--rounds 3]
+  [--formats zarr2,zarr2+crc32,zarr3+crc32c] [--dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from unittest import mock
+
+FORMATS = ("zarr2", "zarr2+crc32", "zarr3+crc32c")
 
 
 def _bytes(path: str) -> int:
@@ -38,45 +49,56 @@ def _bytes(path: str) -> int:
   )
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--rows", type=int, default=8_000_000)
-  parser.add_argument("--dim", type=int, default=64)
-  parser.add_argument("--rounds", type=int, default=3)
-  parser.add_argument("--dir", default=None, help="where to write")
-  args = parser.parse_args()
-  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+@contextlib.contextmanager
+def _format(name: str):
+  """Within it, `save_checkpoint` writes format `name`."""
+  import orbax.checkpoint as ocp
+  from orbax.checkpoint._src.serialization import tensorstore_utils
 
+  from pz_sparsecore.nn import checkpoint
+
+  with contextlib.ExitStack() as stack:
+    if name != "zarr2+crc32":  # No digests in the manifest.
+      stack.enter_context(
+        mock.patch.object(checkpoint, "chunk_digests", lambda *_: {})
+      )
+      stack.enter_context(
+        mock.patch.object(checkpoint, "merged", lambda _: None)
+      )
+    if name == "zarr3+crc32c":
+      handler = ocp.BasePyTreeCheckpointHandler
+      build = tensorstore_utils._build_zarr3_metadata
+
+      def zarr3(**kwargs):
+        return handler(**{**kwargs, "use_zarr3": True})
+
+      def checksummed(*args, **kwargs):
+        metadata = build(*args, **kwargs)
+        (sharding,) = metadata["codecs"]
+        sharding["configuration"]["codecs"].append({"name": "crc32c"})
+        return metadata
+
+      stack.enter_context(
+        mock.patch.object(ocp, "BasePyTreeCheckpointHandler", zarr3)
+      )
+      stack.enter_context(
+        mock.patch.object(
+          tensorstore_utils, "_build_zarr3_metadata", checksummed
+        )
+      )
+    yield
+
+
+def _child(args: argparse.Namespace) -> None:
+  """Saves every format (`--save`) or restores one (`--restore`); prints
+  the seconds as JSON."""
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
   import jax
   import numpy as np
-  import orbax.checkpoint as ocp
   from jax.sharding import Mesh
 
   import pz_sparsecore as pzsc
-  from pz_sparsecore.nn import checkpoint
   from pz_sparsecore.nn.tables import table_arrays
-
-  pytree_impl = ocp.BasePyTreeCheckpointHandler
-
-  def zarr2_impl(**kwargs):
-    return pytree_impl(**{**kwargs, "use_zarr3": False})
-
-  def unchecked():
-    return mock.patch.object(
-      checkpoint, "checksummed_chunks", contextlib.nullcontext
-    )
-
-  @contextlib.contextmanager
-  def zarr2():
-    with mock.patch.object(ocp, "BasePyTreeCheckpointHandler", zarr2_impl):
-      with unchecked():
-        yield
-
-  formats = {
-    "zarr2": zarr2,
-    "zarr3": unchecked,
-    "zarr3+crc32c": contextlib.nullcontext,
-  }
 
   table = pzsc.TableSpec(
     name="items",
@@ -102,27 +124,74 @@ def main() -> None:
       "embed", rng, features, mesh, num_sc_per_device=8
     )
 
-  embed = build(jax.random.key(0))
-  jax.block_until_ready(table_arrays(embed))
+  out = {}
+  if args.save:
+    embed = build(jax.random.key(0))
+    jax.block_until_ready(table_arrays(embed))
+    for name in args.formats.split(","):
+      with _format(name):
+        t0 = time.perf_counter()
+        pzsc.save_checkpoint(os.path.join(args.dir, name), embed)
+        out[name] = time.perf_counter() - t0
+        out[f"{name} load"] = os.getloadavg()[0]
+  else:
+    target = build(None)
+    t0 = time.perf_counter()
+    restored = pzsc.restore_checkpoint(args.dir, target)
+    jax.block_until_ready(table_arrays(restored))
+    out["restore"] = time.perf_counter() - t0
+    out["load"] = os.getloadavg()[0]
+  print(json.dumps(out))
+
+
+def _run(*argv: str) -> dict:
+  result = subprocess.run(
+    [sys.executable, __file__, *argv], capture_output=True, text=True
+  )
+  if result.returncode:
+    raise RuntimeError(result.stderr[-4000:])
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--rows", type=int, default=8_000_000)
+  parser.add_argument("--dim", type=int, default=64)
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--formats", default=",".join(FORMATS))
+  parser.add_argument("--dir", default=None, help="where to write")
+  parser.add_argument("--save", action="store_true", help=argparse.SUPPRESS)
+  parser.add_argument("--restore", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.save or args.restore:
+    _child(args)
+    return
+
+  formats = args.formats.split(",")
+  size = ["--rows", str(args.rows), "--dim", str(args.dim)]
   root = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir)
   times = {name: {"save": [], "restore": []} for name in formats}
-  sizes = {}
+  sizes, loads = {}, []
   try:
-    for _ in range(args.rounds):
-      for name, scope in formats.items():
+    for round_ in range(args.rounds):
+      order = (
+        formats[round_ % len(formats) :] + formats[: round_ % len(formats)]
+      )
+      saved = _run("--save", "--dir", root, "--formats", ",".join(order), *size)
+      for name in order:
+        times[name]["save"].append(saved[name])
+        loads.append(saved[f"{name} load"])
         directory = os.path.join(root, name)
-        shutil.rmtree(directory, ignore_errors=True)
-        with scope():
-          t0 = time.perf_counter()
-          path = pzsc.save_checkpoint(directory, embed)
-          times[name]["save"].append(time.perf_counter() - t0)
-        sizes[name] = _bytes(path)
-        target = build(None)
-        t0 = time.perf_counter()
-        restored = pzsc.restore_checkpoint(directory, target)
-        jax.block_until_ready(table_arrays(restored))
-        times[name]["restore"].append(time.perf_counter() - t0)
-        del restored, target
+        sizes[name] = _bytes(directory)
+        restored = _run("--restore", "--dir", directory, *size)
+        times[name]["restore"].append(restored["restore"])
+        loads.append(restored["load"])
+        shutil.rmtree(directory)
+        print(
+          f"round {round_ + 1} {name}: save {saved[name]:.2f} s, restore "
+          f"{restored['restore']:.2f} s, load {restored['load']:.1f}",
+          flush=True,
+        )
   finally:
     shutil.rmtree(root, ignore_errors=True)
 
@@ -130,7 +199,7 @@ def main() -> None:
   print(
     f"table {args.rows:,} x {args.dim} bfloat16 ({gib:.2f} GiB) + "
     f"row-wise Adagrad; median of {args.rounds} rounds; {os.cpu_count()} "
-    f"CPUs, load {os.getloadavg()[0]:.1f}"
+    f"CPUs, load {min(loads):.1f}-{max(loads):.1f}"
   )
   print(f"{'format':<14}{'save s':>9}{'restore s':>11}{'bytes on disk':>16}")
   for name in formats:

@@ -18,9 +18,11 @@ import pz_sparsecore as pzsc
 VOCAB, DIM = 20_000, 16
 
 
-def build(rng, vocab: int = VOCAB, dim: int = DIM, devices: int = 1):
-  """The layer: one Adagrad table `t` of `vocab` x `dim`, on the first
-  `devices` devices."""
+def build(
+  rng, vocab: int = VOCAB, dim: int = DIM, devices: int = 1, dtype="float32"
+):
+  """The layer: one Adagrad table `t` of `vocab` x `dim` in `dtype`, on the
+  first `devices` devices."""
   table = pzsc.TableSpec(
     name="t",
     vocabulary_size=vocab,
@@ -28,6 +30,7 @@ def build(rng, vocab: int = VOCAB, dim: int = DIM, devices: int = 1):
     initializer=jax.nn.initializers.zeros,
     optimizer=pzsc.AdagradOptimizerSpec(),
     combiner="sum",
+    dtype=dtype,
   )
   features = {
     "f": pzsc.FeatureSpec(

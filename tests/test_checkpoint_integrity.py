@@ -12,13 +12,15 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import sys
+import zlib
 
 import jax
 import numpy as np
 import pytest
 import tensorstore as ts
-from orbax.checkpoint._src.serialization import tensorstore_utils
+from penzai import pz
 
 sys.path.insert(0, os.path.dirname(__file__))
 import checkpoint_writer  # noqa: E402
@@ -154,12 +156,13 @@ def test_damage_raises_and_the_previous_checkpoint_restores(tmp_path, case):
   assert_bit_exact(values_of(restored), saved[1])
 
 
-def test_chunks_are_written_with_checksums(tmp_path):
-  build = tensorstore_utils._build_zarr3_metadata
+def test_digests_are_the_stored_chunks_crc32(tmp_path):
+  """The manifest holds the CRC-32 of every chunk orbax stored, by chunk."""
   embed = checkpoint_writer.build(jax.random.key(0))
+  set_values(embed, 1)
   path = pzsc.save_checkpoint(tmp_path, embed)
-  # The codec is added for the save only.
-  assert tensorstore_utils._build_zarr3_metadata is build
+  with open(manifest_file(path)) as f:
+    digests = json.load(f)["digests"]
   store = ts.KvStore.open(
     {
       "driver": "ocdbt",
@@ -167,9 +170,89 @@ def test_chunks_are_written_with_checksums(tmp_path):
     }
   ).result()
   keys = [k.decode() for k in store.list().result()]
-  metadata = [k for k in keys if k.endswith("/zarr.json")]
-  assert len(metadata) == 2, keys
-  for key in metadata:
-    (sharding,) = json.loads(store.read(key).result().value)["codecs"]
-    codecs = [c["name"] for c in sharding["configuration"]["codecs"]]
-    assert codecs == ["bytes", "crc32c"], (key, codecs)
+  assert sorted(digests) == sorted({k.split("/")[0] for k in keys})
+  for key, entry in digests.items():
+    zarray = json.loads(store.read(f"{key}/.zarray").result().value)
+    assert zarray["chunks"] == entry["block"], key
+    chunks = {
+      k.split("/")[1]: zlib.crc32(store.read(k).result().value)
+      for k in keys
+      if k.startswith(key + "/") and not k.endswith(".zarray")
+    }
+    assert chunks == entry["crc32"], key
+
+
+def test_damage_is_found_on_another_topology(tmp_path):
+  """Saved on 1 device, read onto 2 (other pieces of each chunk)."""
+  embed = checkpoint_writer.build(jax.random.key(0))
+  saved = set_values(embed, 1)
+  path = pzsc.save_checkpoint(tmp_path, embed, keep=2)
+  restored = pzsc.restore_checkpoint(
+    tmp_path, checkpoint_writer.build(jax.random.key(0), devices=2)
+  )
+  assert_bit_exact(values_of(restored), saved)
+
+  file = flip_bytes(path)
+  target = checkpoint_writer.build(jax.random.key(0), devices=2)
+  before = set_values(target, 9)
+  with pytest.raises(ValueError) as raised:
+    pzsc.restore_checkpoint(tmp_path, target)
+  message = str(raised.value)
+  assert "table 't'" in message and file in message, message
+  assert "checksum mismatch" in message, message
+  assert_bit_exact(values_of(target), before)
+
+
+OLD = os.path.join(os.path.dirname(__file__), "data", "checkpoint_f427531")
+
+
+def old_model():
+  """The layer of the checkpoints of f427531: checkpoint_writer's with a 16 x
+  8 table, and a bias."""
+  embed = checkpoint_writer.build(jax.random.key(0), vocab=16, dim=8)
+  bias = pz.nn.AddBias.from_config("bias", jax.random.key(0), {"dim": 8})
+  return pz.nn.Sequential([embed, bias])
+
+
+def test_checkpoints_of_f427531_restore_and_are_checked(tmp_path):
+  """Checkpoints in the format of f427531 (zarr v3, a crc32c codec per
+  chunk, no digests in the manifest), written by the code of 052108f,
+  restore, and TensorStore checks their chunks: steps 0 and 1 hold the
+  table rows + k and the bias k for k = 1, 2."""
+  shutil.copytree(OLD, tmp_path, dirs_exist_ok=True)
+  rows = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+  for step, k in ((0, 1), (1, 2)):
+    restored = pzsc.restore_checkpoint(tmp_path, old_model(), step=step)
+    embed, bias = restored.sublayers
+    got = pzsc.logical_tables(embed)["t"]
+    np.testing.assert_array_equal(np.asarray(got), rows + k)
+    np.testing.assert_array_equal(bias.bias.value.unwrap("dim"), k)
+  # Values this small are kept in the B+tree's nodes, merged into one file.
+  (file,) = glob.glob(os.path.join(tmp_path, "1", "arrays", "d", "*"))
+  with open(file, "r+b") as f:
+    f.seek(os.path.getsize(file) // 4)
+    f.write(b"\xff" * 16)
+  with pytest.raises(ValueError) as raised:
+    pzsc.restore_checkpoint(tmp_path, old_model())
+  # The damaged node holds every array's metadata: the first read names it.
+  message = str(raised.value)
+  assert file in message and "unreadable" in message, message
+
+
+def test_damage_is_found_in_a_cast_table(tmp_path):
+  """A float32 table read into bfloat16 (`cast_tables`): its blocks are
+  checked as stored, read again by themselves."""
+  embed = checkpoint_writer.build(jax.random.key(0))
+  set_values(embed, 1)
+  path = pzsc.save_checkpoint(tmp_path, embed)
+
+  def bf16_model():
+    return checkpoint_writer.build(jax.random.key(0), dtype="bfloat16")
+
+  pzsc.restore_checkpoint(tmp_path, bf16_model(), cast_tables=True)
+  file = flip_bytes(path)
+  with pytest.raises(ValueError) as raised:
+    pzsc.restore_checkpoint(tmp_path, bf16_model(), cast_tables=True)
+  message = str(raised.value)
+  assert "table 't'" in message and file in message, message
+  assert "checksum mismatch" in message, message

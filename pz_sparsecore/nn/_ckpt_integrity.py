@@ -1,23 +1,38 @@
 """Checksums of what a checkpoint stores, and errors that name the damage.
 
-Arrays. Every chunk of every stored array carries a CRC-32C of its bytes:
-arrays are written as zarr v3 with a `crc32c` codec after the `bytes`
-codec (`checksummed_chunks`), so TensorStore computes the checksum as it
-encodes a chunk and checks it as it decodes one, on whatever process
-reads it and onto any topology. A damaged chunk fails the read, and a
-restore reads every array before it assigns any, so the target is
-unchanged. On 2 CPU cores they cost about 0.3 s per GiB saved and 1.0 to
-1.4 s per GiB restored (`benchmarks/checkpoint.py`, docs/benchmarks.md). The
-OCDBT B+tree nodes that hold each array's zarr metadata and the places of
-its chunks have CRC-32C checksums of their own. Checkpoints written
-without the codec (zarr v2, before it) restore, unchecked.
+Arrays. Arrays are stored as orbax's zarr v2 chunks (uncompressed), and
+the manifest holds the CRC-32 of every chunk (`"digests"`: per array its
+shape, dtype, chunk shape and `{chunk index: CRC-32}`). A save hashes
+the host bytes of the chunks each process writes (`chunk_digests`: the
+chunks orbax cuts from a device's shard, at most 32 MiB each), in
+parallel threads; the processes' digests are gathered into the manifest
+(a sync point of the save, `_ckpt_agree`). A restore hashes the values it
+has read, before it assigns any (`verify`, from `read_arrays`): a chunk
+that one piece holds whole (the same topology) in place; a chunk split
+across devices (another topology) copied together from its pieces; one
+only partly read by this process or read with a cast (`cast_tables`) read
+again from the checkpoint by itself. A zarr v2 chunk is its values' bytes
+in C order, so its CRC-32 is that of the stored bytes: any changed byte of
+a chunk that is read fails the check. A truncated or missing data file
+fails the read itself. The OCDBT B+tree nodes that hold each array's zarr
+metadata and the places of its chunks have CRC-32C checksums of their own.
+
+CRC-32 is computed by ISA-L (`isal`: carry-less multiplies, 12 GB/s on
+one core here) or, without it, zlib (the same values, 4 GB/s). f427531's
+zarr v3 `crc32c` codec, checked by TensorStore as it decodes, cost about
+0.3 s per GiB saved and 1 s per GiB restored on 2 cores: TensorStore's
+build computes CRC-32C in software (`absl::crc_internal::CRC32::Extend`,
+about 3 GB/s), and the sharded zarr v3 read path copies more than zarr
+v2's; its checkpoints still restore, checked by TensorStore, and those
+written before either restore unchecked. docs/benchmarks.md
+(`benchmarks/checkpoint.py`) has the figures.
 
 Manifest. `seal` adds `"crc32"`, the CRC-32 of the manifest's canonical
 JSON (sorted keys, no spaces) without it; `read_manifest` recomputes it.
 
 Errors. `read_manifest` and `read_arrays` turn orbax's and TensorStore's
 errors (a bare `Exception` around a status message naming internal keys
-such as `a0/c/4/0/0`) into a `FileNotFoundError` (a missing file) or a
+such as `a0/4.0.0`) into a `FileNotFoundError` (a missing file) or a
 `ValueError` (a short, damaged or garbled one) naming the checkpoint, the
 table (or variable, or trainer leaf), the shard and the file, e.g.::
 
@@ -31,17 +46,24 @@ to the chunk's entry, which gives its data file, offset and length.
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
+import itertools
 import json
 import os
 import re
-import threading
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import jax
+import numpy as np
 import tensorstore as ts
-from orbax.checkpoint._src.serialization import tensorstore_utils
+from orbax.checkpoint._src.arrays import subchunking
+
+try:  # CRC-32 with carry-less multiplies: 3x zlib's speed, same values.
+  from isal.isal_zlib import crc32 as _crc32_bytes
+except ImportError:  # pragma: no cover
+  from zlib import crc32 as _crc32_bytes
 
 from pz_sparsecore.nn._ckpt_delta import ROWS
 from pz_sparsecore.nn._ckpt_manifest import TABLE
@@ -51,40 +73,138 @@ CHECKSUM = "crc32"
 """The manifest's own checksum field."""
 
 
-_CRC32C = {"name": "crc32c"}
+DIGESTS = "digests"
+"""The manifest's field of the arrays' block checksums (`chunk_digests`)."""
+
+_THREADS = os.cpu_count() or 1
+_SMALL_RUN = 1 << 16
+"""Bytes below which a block's strided runs are copied before hashing."""
 
 # ---------------------------------------------------------------------------
-# Writing checksums.
+# Block checksums of the arrays.
 
-# orbax 0.12 builds every zarr v3 array's codecs in this one function and
-# offers no option to add one, so saves swap in a version that appends
-# crc32c to the chunk codecs; the swap is undone when the last save in
-# flight ends (tests/test_checkpoint_integrity.py reads the codecs back).
-_build = tensorstore_utils._build_zarr3_metadata
-_lock = threading.Lock()
-_saves = [0]
+Digests = dict[str, dict[str, Any]]
+"""Array key → {"shape", "dtype", "block", "crc32": {block index: CRC-32}}."""
 
 
-def _build_checksummed(*args: Any, **kwargs: Any) -> dict[str, Any]:
-  metadata = _build(*args, **kwargs)
-  (sharding,) = metadata["codecs"]
-  sharding["configuration"]["codecs"].append(dict(_CRC32C))
-  return metadata
+def _crc(block: np.ndarray) -> int:
+  """CRC-32 of a block's bytes in C order (strided blocks run by run)."""
+  if block.flags.c_contiguous:
+    return _crc32_bytes(block.reshape(-1).view(np.uint8))
+  axis = block.ndim
+  while axis and block[(0,) * (axis - 1)].flags.c_contiguous:
+    axis -= 1
+  run = block[(0,) * axis]
+  if run.nbytes < _SMALL_RUN:
+    return _crc32_bytes(np.ascontiguousarray(block).reshape(-1).view(np.uint8))
+  crc = 0
+  for index in np.ndindex(block.shape[:axis]):
+    crc = _crc32_bytes(block[index].reshape(-1).view(np.uint8), crc)
+  return crc
 
 
-@contextlib.contextmanager
-def checksummed_chunks() -> Iterator[None]:
-  """Within it, orbax writes zarr v3 arrays with a CRC-32C per chunk."""
-  with _lock:
-    _saves[0] += 1
-    tensorstore_utils._build_zarr3_metadata = _build_checksummed
-  try:
-    yield
-  finally:
-    with _lock:
-      _saves[0] -= 1
-      if not _saves[0]:
-        tensorstore_utils._build_zarr3_metadata = _build
+def _name(index: tuple[int, ...]) -> str:
+  return ".".join(map(str, index)) or "0"
+
+
+def _pieces(value: Any, written: bool) -> list[tuple[tuple[int, ...], Any]]:
+  """(origin, host array) of each distinct piece this process holds of an
+  array; `written`: only those it writes (replica 0; a host value on
+  process 0)."""
+  if not isinstance(value, jax.Array):
+    if written and jax.process_index() != 0:
+      return []
+    value = np.asarray(value)
+    return [((0,) * value.ndim, value)]
+  out, seen = [], set()
+  for shard in value.addressable_shards:
+    if written and shard.replica_id != 0:
+      continue
+    origin = tuple(
+      s.indices(n)[0] for s, n in zip(shard.index, value.shape, strict=True)
+    )
+    if origin not in seen:
+      seen.add(origin)
+      out.append((origin, shard.data))
+  return out
+
+
+def _blocks(
+  origin: tuple[int, ...],
+  shape: tuple[int, ...],
+  block: list[int],
+  stored: list[int],
+) -> Iterator[tuple[tuple[int, ...], tuple[slice, ...], bool]]:
+  """Block index, its slices into a piece at `origin` of `shape`, and
+  whether the piece holds the whole block, for each block it meets."""
+  ranges = []
+  for o, n, b, size in zip(origin, shape, block, stored, strict=True):
+    stop = min(o + n, size)
+    ranges.append(range(o // b, -(-stop // b)) if stop > o else range(0))
+  for index in itertools.product(*ranges):
+    whole, slices = True, []
+    for i, o, n, b, size in zip(
+      index, origin, shape, block, stored, strict=True
+    ):
+      lo, hi = i * b, min((i + 1) * b, size)
+      whole &= o <= lo and hi <= o + n
+      slices.append(slice(lo - o, hi - o))
+    yield index, tuple(slices), whole
+
+
+def chunk_digests(arrays: Mapping[str, Any], chunk_bytes: int) -> Digests:
+  """CRC-32s of the blocks of the arrays this process writes.
+
+  An array's blocks are the chunks orbax stores it in (its write shape,
+  a device's shard, split to at most `chunk_bytes`), so the checksum of a
+  block is that of a stored chunk's bytes. Blocks are hashed in parallel
+  threads (ISA-L's CRC-32, or zlib's).
+
+  Args:
+    arrays: Array key → value (a `jax.Array` or a host array), as saved.
+    chunk_bytes: orbax's `chunk_byte_size`.
+
+  Returns:
+    This process's part; `merged` joins every process's.
+  """
+  out, jobs = {}, []
+  for key, value in arrays.items():
+    shape, dtype = tuple(np.shape(value)), np.dtype(value.dtype)
+    write = shape
+    if isinstance(value, jax.Array):
+      write = value.sharding.shard_shape(shape)
+    block = list(
+      subchunking.choose_chunk_shape(shape, write, dtype, chunk_bytes)
+    )
+    crcs = {}
+    out[key] = {
+      "shape": list(shape),
+      "dtype": dtype.name,
+      "block": block,
+      "crc32": crcs,
+    }
+    for origin, data in _pieces(value, written=True):
+      data = np.asarray(data)
+      for index, slices, _ in _blocks(origin, data.shape, block, list(shape)):
+        jobs.append((crcs, _name(index), data[slices]))
+  with concurrent.futures.ThreadPoolExecutor(_THREADS) as pool:
+    for (crcs, name, _), crc in zip(
+      jobs, pool.map(lambda job: _crc(job[2]), jobs), strict=True
+    ):
+      crcs[name] = crc
+  return out
+
+
+def merged(parts: list[Digests]) -> Digests:
+  """Every process's `chunk_digests` in one."""
+  out = {}
+  for part in parts:
+    for key, entry in part.items():
+      kept = out.setdefault(key, {**entry, "crc32": {}})
+      kept["crc32"].update(entry["crc32"])
+  for entry in out.values():
+    entry["crc32"] = dict(sorted(entry["crc32"].items()))
+  return out
 
 
 def _crc32(manifest: Mapping[str, Any]) -> int:
@@ -92,9 +212,13 @@ def _crc32(manifest: Mapping[str, Any]) -> int:
   return zlib.crc32(text.encode())
 
 
-def seal(manifest: Mapping[str, Any]) -> dict[str, Any]:
-  """The manifest with its checksum."""
+def seal(
+  manifest: Mapping[str, Any], digests: Digests | None = None
+) -> dict[str, Any]:
+  """The manifest with the arrays' block checksums and its own."""
   body = {k: v for k, v in manifest.items() if k != CHECKSUM}
+  if digests is not None:
+    body[DIGESTS] = digests
   return {**body, CHECKSUM: _crc32(body)}
 
 
@@ -316,7 +440,7 @@ def read_arrays(
     ValueError: If one is truncated or damaged.
   """
   try:
-    return read()
+    arrays = read()
   # orbax raises a bare Exception around TensorStore's error; one that
   # names no file of the checkpoint is raised as it is.
   except Exception as e:  # noqa: BLE001
@@ -324,3 +448,125 @@ def read_arrays(
     if error is None:
       raise
     raise error from None
+  verify(arrays, path, stored)
+  return arrays
+
+
+def _stored_block(
+  path: str, key: str, entry: Mapping[str, Any], index: tuple[int, ...]
+) -> np.ndarray:
+  """A block read from the stored array itself (as it is stored)."""
+  spec = {
+    "driver": "zarr",
+    "kvstore": {
+      "driver": "ocdbt",
+      "base": {"driver": "file", "path": os.path.join(path, "arrays/")},
+      "path": f"{key}/",
+    },
+  }
+  store = ts.open(spec, open=True).result()
+  slices = tuple(slice(lo, hi) for lo, hi in _bounds(entry, index))
+  return store[slices].read().result()
+
+
+def _bounds(
+  entry: Mapping[str, Any], index: tuple[int, ...]
+) -> list[tuple[int, int]]:
+  """[start, stop) of a block along each axis."""
+  return [
+    (i * b, min((i + 1) * b, n))
+    for i, b, n in zip(index, entry["block"], entry["shape"], strict=True)
+  ]
+
+
+def _assembled(
+  entry: Mapping[str, Any],
+  index: tuple[int, ...],
+  parts: list[tuple[tuple[int, ...], np.ndarray]],
+) -> np.ndarray | None:
+  """A block from the pieces that share it, if they hold all of it."""
+  bounds = _bounds(entry, index)
+  out = np.empty([hi - lo for lo, hi in bounds], parts[0][1].dtype)
+  held = 0
+  for origin, data in parts:
+    into, take = [], []
+    for (lo, hi), o, n in zip(bounds, origin, data.shape, strict=True):
+      a, b = max(lo, o), min(hi, o + n)
+      into.append(slice(a - lo, b - lo))
+      take.append(slice(a - o, b - o))
+    out[tuple(into)] = data[tuple(take)]
+    held += out[tuple(into)].size
+  return out if held == out.size else None
+
+
+def verify(arrays: Mapping[str, Any], path: str, stored: Mapping[str, Any]):
+  """Checks the arrays read from checkpoint `path` against its digests.
+
+  Every block this process read is hashed from the values read, in the
+  stored dtype: in place where one piece holds it whole (a restore onto
+  the same topology), else copied together from the pieces that share it
+  (a restore onto another topology splits blocks across devices). A block
+  only partly read by this process, or read with a cast, is read again
+  from the checkpoint by itself. A checkpoint without digests (written
+  before them) is not checked here.
+
+  Raises:
+    ValueError: Naming the table (or variable, or leaf), the shard and the
+      data file of the first block whose checksum does not match.
+  """
+  digests = stored.get(DIGESTS)
+  if digests is None:
+    return
+  jobs = []
+  for key, value in arrays.items():
+    entry = digests.get(key)
+    if entry is None:
+      continue
+    shape, whole_blocks, split = list(entry["shape"]), set(), {}
+    for origin, data in _pieces(value, written=False):
+      data = np.asarray(data)
+      same = data.dtype.name == entry["dtype"]
+      for index, slices, whole in _blocks(
+        origin, data.shape, entry["block"], shape
+      ):
+        if whole and same:
+          if index not in whole_blocks:
+            whole_blocks.add(index)
+            jobs.append((key, index, data[slices]))
+        else:
+          split.setdefault(index, []).append((origin, data) if same else None)
+    for index, parts in split.items():
+      if index not in whole_blocks:
+        jobs.append((key, index, None if None in parts else parts))
+
+  def check(job: tuple[str, tuple[int, ...], Any]) -> bool:
+    key, index, block = job
+    entry = digests[key]
+    if isinstance(block, list):
+      block = _assembled(entry, index, block)
+    if block is None:
+      block = _stored_block(path, key, entry, index)
+    return _crc(block) == entry["crc32"].get(_name(index))
+
+  with concurrent.futures.ThreadPoolExecutor(_THREADS) as pool:
+    for (key, index, _), good in zip(jobs, pool.map(check, jobs), strict=True):
+      if not good:
+        raise _mismatch(path, stored, key, index) from None
+
+
+def _mismatch(
+  path: str, stored: Mapping[str, Any], key: str, index: tuple[int, ...]
+) -> ValueError:
+  """The error of a block of array `key` whose checksum does not match."""
+  arrays = os.path.join(path, "arrays")
+  what, sharded = _owners(stored).get(key, (f"array {key!r}", False))
+  entry = stored[DIGESTS][key]
+  start = [i * b for i, b in zip(index, entry["block"], strict=True)]
+  chunk = _chunk_shape(arrays, key) or entry["block"]
+  name = _name(tuple(s // max(c, 1) for s, c in zip(start, chunk, strict=True)))
+  part = _part(arrays, key, name, sharded)
+  where = _where(arrays, f"{key}/{name}")
+  file = where[0] if where else arrays
+  return ValueError(
+    f"{path}: {what}, {part}: damaged data (checksum mismatch) in {file}"
+  )
