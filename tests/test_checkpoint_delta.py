@@ -109,6 +109,21 @@ def test_a_delta_onto_another_topology_chains_on(tmp_path):
   _assert_bit_exact(_trainer_values(got), want)
 
 
+def test_minibatched_steps_are_tracked(tmp_path):
+  trainer = _trainer(8, 1)
+  pzsc.save_checkpoint(tmp_path, trainer)
+  grads = {k: jnp.asarray(v) for k, v in act_grads(3, SOME_TABLES).items()}
+  for step in range(2):
+    inputs, _ = trainer.model.embed.preprocess(
+      *make_batch(200 + step, SOME_TABLES), enable_minibatching=True
+    )
+    assert inputs.num_minibatches is not None
+    trainer.step(inputs=inputs, grads=grads)
+  pzsc.save_checkpoint(tmp_path, trainer, delta=True)
+  got = pzsc.restore_checkpoint(tmp_path, _trainer(4, 2))
+  _assert_bit_exact(_trainer_values(got), _trainer_values(trainer))
+
+
 BIG = {
   "big": (
     specs.AdagradOptimizerSpec(learning_rate=0.1),
