@@ -231,7 +231,8 @@ def touched_rows(
   """The set rows of a bitmap and those rows of each value.
 
   Reads the bitmap once (O(vocabulary) bytes of one byte per row, at a
-  save) and gathers O(touched rows) of each `[N, V_shard, W]` value.
+  save: on the host when this process holds it whole, else on device) and
+  gathers O(touched rows) of each `[N, V_shard, W]` value.
 
   Args:
     bitmap: `[N, V_shard]` bool.
@@ -242,7 +243,17 @@ def touched_rows(
     its `[K, W]` rows.
   """
   replicated = NamedSharding(bitmap.sharding.mesh, P())
-  count = int(jnp.sum(bitmap, dtype=jnp.int32))
-  rows = jax.device_put(_nonzero(bitmap, size=_bucket(count)), replicated)
-  out = [_host(jax.device_put(_gather(v, rows), replicated)) for v in values]
-  return _host(rows)[:count].astype(np.int64), [x[:count] for x in out]
+  if bitmap.is_fully_addressable:
+    rows = np.flatnonzero(np.asarray(bitmap))
+  else:  # Every process writes every row: found on device.
+    count = int(jnp.sum(bitmap, dtype=jnp.int32))
+    found = _nonzero(bitmap, size=_bucket(count))
+    rows = _host(jax.device_put(found, replicated))[:count]
+  index = np.full(_bucket(rows.size), bitmap.size, np.int32)
+  index[: rows.size] = rows
+  index = jax.device_put(index, replicated)
+  out = [
+    _host(jax.device_put(_gather(v, index), replicated))[: rows.size]
+    for v in values
+  ]
+  return rows.astype(np.int64), out
