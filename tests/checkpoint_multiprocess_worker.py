@@ -15,6 +15,11 @@ OUT_DIR/faults_<process>.json:
   save again and restore) on both;
 * finally the damaged restore again, uncaught: the process exits with it.
 
+MODE "deltas": a trainer that tracks its rows saves a full checkpoint
+(version 1, step 0) and a delta (version 2, every row touched, step 1)
+into OUT_DIR/deltas; OUT_DIR/deltas_<process>.json records the listing
+and the version a layer restores.
+
 MODE "train": trains in a loop (a step with a collective over both
 processes), printing `step <n>`, with JAX's heartbeat timeout of
 HEARTBEAT seconds (argument 5); the test kills one process.
@@ -121,6 +126,41 @@ def faults(process: int, out: str) -> None:
   restore(damaged)
 
 
+def deltas(process: int, out: str) -> None:
+  import optax
+
+  import pz_sparsecore as pzsc
+
+  def no_loss(**kwargs):
+    raise NotImplementedError  # No steps: the bitmap is set directly.
+
+  directory = os.path.join(out, "deltas")
+  embed = build(jax.random.key(0))
+  trainer = pzsc.SparseCoreTrainer.build(
+    jax.random.key(1), embed, optax.sgd(0.0), no_loss, track_touched=True
+  )
+  set_version(embed, 1)
+  pzsc.save_checkpoint(directory, trainer)
+  set_version(embed, 2)
+  (label,) = trainer.touched.bitmaps
+  # Every row touched, as steps would mark them.
+  touched = jax.jit(jax.numpy.logical_not)(trainer.touched.bitmaps[label])
+  trainer.touched.bitmaps[label] = touched
+  state = trainer.state.value
+  trainer.state.value = type(state)(
+    step=state.step + 1,
+    opt_state=state.opt_state,
+    loss_fn_state=state.loss_fn_state,
+  )
+  pzsc.save_checkpoint(directory, trainer, delta=True)
+  record = {
+    "listed": [[i.step, i.base] for i in pzsc.list_checkpoints(directory)],
+    "restored": version(pzsc.restore_checkpoint(directory, build(None))),
+  }
+  with open(os.path.join(out, f"deltas_{process}.json"), "w") as f:
+    json.dump(record, f)
+
+
 def train(process: int) -> None:
   import jax.numpy as jnp
   import numpy as np
@@ -161,6 +201,9 @@ def main() -> None:
     # A hang shows where each process waits (the run takes seconds).
     faulthandler.dump_traceback_later(90, exit=True)
     faults(process, out)
+  elif mode == "deltas":
+    faulthandler.dump_traceback_later(90, exit=True)
+    deltas(process, out)
   else:
     train(process)
 

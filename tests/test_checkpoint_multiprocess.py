@@ -124,6 +124,20 @@ def test_uncaught_failure_ends_both_processes(faults):
     assert ended - start < PROPAGATION_S, output[-4000:]
 
 
+def test_a_delta_saves_and_restores_on_two_processes(tmp_path):
+  procs = _start("deltas", tmp_path)
+  try:
+    outputs = [proc.communicate(timeout=240)[0] for proc in procs]
+  finally:
+    for proc in procs:
+      proc.kill()
+  for i, output in enumerate(outputs):
+    path = tmp_path / f"deltas_{i}.json"
+    assert path.exists(), output[-4000:]
+    record = json.loads(path.read_text())
+    assert record == {"listed": [[0, None], [1, 0]], "restored": 2}
+
+
 def test_killed_peer_ends_the_survivor(tmp_path):
   survivor, victim = _start("train", tmp_path, str(HEARTBEAT_S))
   try:

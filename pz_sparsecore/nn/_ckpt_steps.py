@@ -334,6 +334,8 @@ def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
     for info in pzsc.list_checkpoints(ckpt_dir):
       print(info.step, info.time, info.num_devices, info.size_bytes)
 
+  A delta checkpoint's `base` is the step of its chain's full checkpoint.
+
   Args:
     directory: A directory written by `save_checkpoint` (a missing one has
       none).

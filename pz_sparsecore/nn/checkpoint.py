@@ -42,6 +42,16 @@ other is read sharded over the model's mesh and its rows are moved on device
 restores onto 4 x 2, 1 x 1 or another stacking of the same tables with
 identical values.
 
+Deltas. A `SparseCoreTrainer` built with `track_touched=True` tracks the
+rows its steps touch (`_touched.py`); `save_checkpoint(..., delta=True)`
+(or `full_every=K`: a full checkpoint every K saves, deltas between)
+writes a checkpoint of those rows and their slots only, with everything
+else whole, that chains onto the previous save. A restore of a delta reads
+its chain's full checkpoint and writes the deltas' rows over it in order,
+by logical row, on any topology (`_ckpt_delta.py`). `keep` keeps every
+checkpoint that a kept delta's chain needs; `list_checkpoints` gives each
+delta's full checkpoint (`CheckpointInfo.base`).
+
 Limits. Each stack's preprocessing limits in force
 (`max_ids_per_partition`, `max_unique_ids_per_partition`,
 `suggested_coo_buffer_size_per_device`, e.g. set by `update_limits` from
