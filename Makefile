@@ -38,10 +38,12 @@ NEWEST_TESTS := tests/test_programs.py tests/test_lookup.py \
 	tests/test_embed.py tests/test_training.py tests/test_exchange.py \
 	tests/test_jit.py tests/test_inplace.py tests/test_kernels.py \
 	tests/test_kernel_fuzz.py tests/test_checkpoint.py \
-	tests/test_checkpoint_faults.py tests/test_replication.py \
-	tests/test_minibatching_layer.py tests/test_pipelining.py \
-	tests/test_compat.py tests/test_compat_device.py \
-	tests/test_compat_input_preprocessing.py tests/test_spec_proto.py \
+	tests/test_checkpoint_faults.py tests/test_checkpoint_integrity.py \
+	tests/test_checkpoint_steps.py tests/test_checkpoint_multiprocess.py \
+	tests/test_replication.py tests/test_minibatching_layer.py \
+	tests/test_pipelining.py tests/test_compat.py tests/test_compat_device.py \
+	tests/test_compat_input_preprocessing.py tests/test_compat_proto.py \
+	tests/test_compat_lowering.py tests/test_spec_proto.py \
 	tests/test_bad_input.py tests/test_table_dtypes_layer.py
 
 $(STAMP_NEWEST): $(SOURCES) constraints-newest.txt
