@@ -47,6 +47,9 @@ from pz_sparsecore.nn.embed import SparseCoreEmbed, find_embeds
 _COMPARE_ALL = 64
 """Most shards for which `_flat_rows` compares every entry with every
 partition start."""
+_MAX_ROWS = 2**31 - 2
+"""Most rows (`N * V_shard`) of a tracked stack: flat rows and the
+out-of-range marker `N * V_shard` fit in int32."""
 _FIELDS = (
   "lhs_row_pointers",
   "lhs_embedding_ids",
@@ -81,6 +84,15 @@ def _zeros(model: Any) -> dict[str, jax.Array]:
   for embed in find_embeds(model):
     config = embed.config
     for stack in config.plan.stacks:
+      rows = config.plan.num_shards * stack.rows_per_shard
+      if rows > _MAX_ROWS:
+        # Flat rows are int32 in the step (JAX's default).
+        raise ValueError(
+          f"track_touched: stack {stack.name!r} of SparseCoreEmbed "
+          f"{config.name!r} has {rows} rows, more than the {_MAX_ROWS} a "
+          "touched-row bitmap addresses; build the trainer without "
+          "track_touched (full checkpoints only)"
+        )
       sharding = config.topology.table_sharding(stack.name, ndim=2)
       out[config.table_label(stack.name)] = jnp.zeros(
         (config.plan.num_shards, stack.rows_per_shard),
