@@ -40,6 +40,7 @@ NEWEST_TESTS := tests/test_programs.py tests/test_lookup.py \
 	tests/test_kernel_fuzz.py tests/test_checkpoint.py \
 	tests/test_checkpoint_faults.py tests/test_checkpoint_integrity.py \
 	tests/test_checkpoint_steps.py tests/test_checkpoint_multiprocess.py \
+	tests/test_checkpoint_delta.py \
 	tests/test_replication.py tests/test_minibatching_layer.py \
 	tests/test_pipelining.py tests/test_compat.py tests/test_compat_device.py \
 	tests/test_compat_input_preprocessing.py tests/test_compat_proto.py \
