@@ -109,32 +109,36 @@ def _child(args: argparse.Namespace) -> None:
   import pz_sparsecore as pzsc
   from pz_sparsecore.nn.tables import table_arrays
 
-  table = pzsc.TableSpec(
-    name="items",
-    vocabulary_size=args.rows,
-    embedding_dim=args.dim,
-    initializer=jax.nn.initializers.normal(0.01),
-    optimizer=pzsc.RowwiseAdagradOptimizerSpec(learning_rate=0.05),
-    combiner="mean",
-    dtype="bfloat16",
-  )
-  features = {
-    "items": pzsc.FeatureSpec(
+  def build(rng, rows=args.rows):
+    return pzsc.SparseCoreEmbed.from_config(
+      "embed", rng, features(rows), mesh, num_sc_per_device=8
+    )
+
+  def features(rows):
+    table = pzsc.TableSpec(
+      name="items",
+      vocabulary_size=rows,
+      embedding_dim=args.dim,
+      initializer=jax.nn.initializers.normal(0.01),
+      optimizer=pzsc.RowwiseAdagradOptimizerSpec(learning_rate=0.05),
+      combiner="mean",
+      dtype="bfloat16",
+    )
+    feature = pzsc.FeatureSpec(
       name="items",
       table_spec=table,
       input_shape=(4096, 16),
       output_shape=(4096, args.dim),
     )
-  }
+    return {"items": feature}
+
   mesh = Mesh(np.array(jax.devices()[:1]), ("device",))
-
-  def build(rng):
-    return pzsc.SparseCoreEmbed.from_config(
-      "embed", rng, features, mesh, num_sc_per_device=8
-    )
-
   out = {}
   if args.save:
+    # The first save of a process sets orbax up: not timed.
+    warm = os.path.join(args.dir, "warm-up")
+    pzsc.save_checkpoint(warm, build(jax.random.key(0), rows=1024))
+    shutil.rmtree(warm)
     embed = build(jax.random.key(0))
     jax.block_until_ready(table_arrays(embed))
     for name in args.formats.split(","):

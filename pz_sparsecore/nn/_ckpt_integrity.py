@@ -16,6 +16,8 @@ in C order, so its CRC-32 is that of the stored bytes: any changed byte of
 a chunk that is read fails the check. A truncated or missing data file
 fails the read itself. The OCDBT B+tree nodes that hold each array's zarr
 metadata and the places of its chunks have CRC-32C checksums of their own.
+On CPU devices the hashes read the arrays' own buffers; on accelerators
+they read a host copy of each shard, one more transfer beside orbax's.
 
 CRC-32 is computed by ISA-L (`isal`: carry-less multiplies, 12 GB/s on
 one core here) or, without it, zlib (the same values, 4 GB/s). f427531's
