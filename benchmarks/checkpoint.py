@@ -98,6 +98,30 @@ def _format(name: str):
     yield
 
 
+def _features(rows: int, dim: int) -> dict:
+  """The benchmark's one feature: a bfloat16 table with row-wise Adagrad."""
+  import jax
+
+  import pz_sparsecore as pzsc
+
+  table = pzsc.TableSpec(
+    name="items",
+    vocabulary_size=rows,
+    embedding_dim=dim,
+    initializer=jax.nn.initializers.normal(0.01),
+    optimizer=pzsc.RowwiseAdagradOptimizerSpec(learning_rate=0.05),
+    combiner="mean",
+    dtype="bfloat16",
+  )
+  feature = pzsc.FeatureSpec(
+    name="items",
+    table_spec=table,
+    input_shape=(4096, 16),
+    output_shape=(4096, dim),
+  )
+  return {"items": feature}
+
+
 def _child(args: argparse.Namespace) -> None:
   """Saves every format (`--save`) or restores one (`--restore`); prints
   the seconds as JSON."""
@@ -111,26 +135,8 @@ def _child(args: argparse.Namespace) -> None:
 
   def build(rng, rows=args.rows):
     return pzsc.SparseCoreEmbed.from_config(
-      "embed", rng, features(rows), mesh, num_sc_per_device=8
+      "embed", rng, _features(rows, args.dim), mesh, num_sc_per_device=8
     )
-
-  def features(rows):
-    table = pzsc.TableSpec(
-      name="items",
-      vocabulary_size=rows,
-      embedding_dim=args.dim,
-      initializer=jax.nn.initializers.normal(0.01),
-      optimizer=pzsc.RowwiseAdagradOptimizerSpec(learning_rate=0.05),
-      combiner="mean",
-      dtype="bfloat16",
-    )
-    feature = pzsc.FeatureSpec(
-      name="items",
-      table_spec=table,
-      input_shape=(4096, 16),
-      output_shape=(4096, args.dim),
-    )
-    return {"items": feature}
 
   mesh = Mesh(np.array(jax.devices()[:1]), ("device",))
   out = {}
@@ -242,24 +248,13 @@ def _deltas(args) -> None:
   def no_loss(**kwargs):
     raise NotImplementedError  # No steps: the bitmap is set directly.
 
-  table = pzsc.TableSpec(
-    name="items",
-    vocabulary_size=args.rows,
-    embedding_dim=args.dim,
-    initializer=jax.nn.initializers.normal(0.01),
-    optimizer=pzsc.RowwiseAdagradOptimizerSpec(learning_rate=0.05),
-    combiner="mean",
-    dtype="bfloat16",
-  )
-  feature = pzsc.FeatureSpec(
-    name="items",
-    table_spec=table,
-    input_shape=(4096, 16),
-    output_shape=(4096, args.dim),
-  )
   mesh = Mesh(np.array(jax.devices()[:1]), ("device",))
   embed = pzsc.SparseCoreEmbed.from_config(
-    "embed", jax.random.key(0), {"items": feature}, mesh, num_sc_per_device=8
+    "embed",
+    jax.random.key(0),
+    _features(args.rows, args.dim),
+    mesh,
+    num_sc_per_device=8,
   )
   trainer = pzsc.SparseCoreTrainer.build(
     jax.random.key(1), embed, optax.sgd(0.0), no_loss, track_touched=True
