@@ -28,6 +28,7 @@ HEARTBEAT seconds (argument 5); the test kills one process.
 from __future__ import annotations
 
 import faulthandler
+import glob
 import json
 import os
 import shutil
@@ -59,19 +60,27 @@ def attempt(record: dict, name: str, fn) -> None:
   record[name]["seconds"] = time.monotonic() - start
 
 
-def damage(directory: str, process: int) -> None:
-  """Truncates the data files of `process`'s shards in `directory`."""
-  for root, _, files in os.walk(directory):
-    if f"ocdbt.process_{process}" in root and os.sep + "d" in root:
-      for name in files:
-        with open(os.path.join(root, name), "r+b") as f:
+def damage(directory: str, embed) -> None:
+  """Truncates the chunk files of the table and slot shards this process
+  holds in checkpoint `directory`."""
+  from pz_sparsecore.nn.tables import table_arrays
+
+  held = set()
+  for table in table_arrays(embed).values():
+    for shard in table.addressable_shards:
+      held.update(range(*shard.index[0].indices(table.shape[0])[:2]))
+  for folder in glob.glob(os.path.join(directory, "tables", "*", "")):
+    with open(os.path.join(folder, ".zarray")) as f:
+      rows = json.load(f)["chunks"][0]
+    for name in os.listdir(folder):
+      if not name.startswith(".") and int(name.split(".")[0]) * rows in held:
+        with open(os.path.join(folder, name), "r+b") as f:
           f.truncate(16)
 
 
 def faults(process: int, out: str) -> None:
-  import orbax.checkpoint as ocp
-
   import pz_sparsecore as pzsc
+  from pz_sparsecore.nn import _ckpt_tables
 
   shared = os.path.join(out, "shared")
   embed = build(jax.random.key(0))
@@ -95,23 +104,22 @@ def faults(process: int, out: str) -> None:
   damaged = os.path.join(out, f"damaged_{process}")
   shutil.copytree(shared, damaged)
   if process == 1:
-    damage(os.path.join(damaged, "1"), 1)
+    damage(os.path.join(damaged, "1"), embed)
   attempt(record, "damaged", lambda: restore(damaged))
   attempt(record, "damaged_next", lambda: restore(shared))
 
   # A save whose writes fail on process 1 only.
-  handler = ocp.PyTreeCheckpointHandler
-  original = handler.async_save
+  original = _ckpt_tables._write_chunk
 
-  async def failing(self, *args, **kwargs):
+  def failing(job):
     if process == 1:
       raise OSError("disk full (injected)")
-    return await original(self, *args, **kwargs)
+    return original(job)
 
   set_version(embed, 3)
-  handler.async_save = failing
+  _ckpt_tables._write_chunk = failing
   attempt(record, "save", lambda: pzsc.save_checkpoint(shared, embed))
-  handler.async_save = original
+  _ckpt_tables._write_chunk = original
   record["save_left"] = sorted(os.listdir(shared))
 
   def save_and_restore():

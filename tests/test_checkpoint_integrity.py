@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import checkpoint_writer  # noqa: E402
 
 import pz_sparsecore as pzsc  # noqa: E402
+from pz_sparsecore.nn.tables import slot_arrays, table_arrays  # noqa: E402
 
 VOCAB, DIM = checkpoint_writer.VOCAB, checkpoint_writer.DIM
 
@@ -57,10 +58,11 @@ def assert_bit_exact(got, want) -> None:
 
 
 def data_file(checkpoint: str) -> str:
-  (path,) = glob.glob(
-    os.path.join(checkpoint, "arrays", "ocdbt.process_*", "d", "*")
-  )
-  return path
+  """The file of the table's first chunk."""
+  with open(manifest_file(checkpoint)) as f:
+    (stack,) = json.load(f)["embeds"]["emb"].values()
+  key = stack["arrays"]["embeddings"]
+  return os.path.join(checkpoint, "tables", key, "0.0.0")
 
 
 def manifest_file(checkpoint: str) -> str:
@@ -157,25 +159,55 @@ def test_damage_raises_and_the_previous_checkpoint_restores(tmp_path, case):
 
 
 def test_digests_are_the_stored_chunks_crc32(tmp_path):
-  """The manifest holds the CRC-32 of every chunk orbax stored, by chunk."""
-  embed = checkpoint_writer.build(jax.random.key(0))
+  """The manifest holds the CRC-32 of every stored chunk, by chunk: the
+  tables' zarr v2 chunk files (which TensorStore reads back as the layer's
+  shards) and orbax's chunks of the other arrays."""
+  embed = checkpoint_writer.build(jax.random.key(0), devices=2)
   set_values(embed, 1)
-  path = pzsc.save_checkpoint(tmp_path, embed)
+  bias = pz.nn.AddBias.from_config("bias", jax.random.key(0), {"dim": DIM})
+  path = pzsc.save_checkpoint(tmp_path, pz.nn.Sequential([embed, bias]))
   with open(manifest_file(path)) as f:
-    digests = json.load(f)["digests"]
-  store = ts.KvStore.open(
+    manifest = json.load(f)
+  digests, tables = manifest["digests"], manifest["tables"]
+  (stack,) = manifest["embeds"]["emb"].values()
+  assert sorted(tables) == sorted(stack["arrays"].values())
+  (name,) = table_arrays(embed)
+  held = {"embeddings": np.asarray(table_arrays(embed)[name])}
+  held["accumulator"] = np.asarray(slot_arrays(embed)[name][0])
+  for array, key in stack["arrays"].items():
+    folder = os.path.join(path, "tables", key)
+    store = ts.open(
+      {"driver": "zarr", "kvstore": {"driver": "file", "path": folder}}
+    ).result()
+    entry = digests[key]
+    assert store.chunk_layout.read_chunk.shape == tuple(entry["block"])
+    np.testing.assert_array_equal(store.read().result(), held[array])
+    files = sorted(f for f in os.listdir(folder) if not f.startswith("."))
+    assert files == sorted(entry["crc32"]), key
+    for name in files:
+      index = [int(i) for i in name.split(".")]
+      valid = tuple(
+        slice(0, min(b, n - i * b))
+        for i, b, n in zip(index, entry["block"], entry["shape"], strict=True)
+      )
+      chunk = np.fromfile(os.path.join(folder, name), store.dtype.numpy_dtype)
+      chunk = chunk.reshape(entry["block"])[valid]
+      assert zlib.crc32(chunk.tobytes()) == entry["crc32"][name], (key, name)
+  arrays = ts.KvStore.open(
     {
       "driver": "ocdbt",
       "base": {"driver": "file", "path": os.path.join(path, "arrays/")},
     }
   ).result()
-  keys = [k.decode() for k in store.list().result()]
-  assert sorted(digests) == sorted({k.split("/")[0] for k in keys})
-  for key, entry in digests.items():
-    zarray = json.loads(store.read(f"{key}/.zarray").result().value)
+  keys = [k.decode() for k in arrays.list().result()]
+  stored = sorted({k.split("/")[0] for k in keys})
+  assert stored == sorted(set(digests) - set(tables))
+  for key in stored:
+    entry = digests[key]
+    zarray = json.loads(arrays.read(f"{key}/.zarray").result().value)
     assert zarray["chunks"] == entry["block"], key
     chunks = {
-      k.split("/")[1]: zlib.crc32(store.read(k).result().value)
+      k.split("/")[1]: zlib.crc32(arrays.read(k).result().value)
       for k in keys
       if k.startswith(key + "/") and not k.endswith(".zarray")
     }

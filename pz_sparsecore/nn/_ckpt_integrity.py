@@ -1,19 +1,23 @@
 """Checksums of what a checkpoint stores, and errors that name the damage.
 
-Arrays. Arrays are stored as orbax's zarr v2 chunks (uncompressed), and
-the manifest holds the CRC-32 of every chunk (`"digests"`: per array its
-shape, dtype, chunk shape and `{chunk index: CRC-32}`). A save hashes
-the host bytes of the chunks each process writes (`chunk_digests`: the
-chunks orbax cuts from a device's shard, at most 32 MiB each), in
-parallel threads; the processes' digests are gathered into the manifest
-(a sync point of the save, `_ckpt_agree`). A restore hashes the values it
-has read, before it assigns any (`verify`, from `read_arrays`): a chunk
+Arrays. Arrays are stored as zarr v2 chunks (uncompressed): the stacks'
+tables and slots as chunk files of their own (`_ckpt_tables`), the other
+arrays in orbax's OCDBT files. The manifest holds the CRC-32 of every chunk
+(`"digests"`: per array its shape, dtype, chunk shape and `{chunk index:
+CRC-32}`). A save hashes the host bytes of the chunks each process writes
+(`chunk_digests`: a device's shard cut into chunks of at most 32 MiB,
+`block_shape`), in parallel threads; the processes' digests are gathered
+into the manifest (a sync point of the save, `_ckpt_agree`). A table's
+chunk is checked as `_ckpt_tables` reads it. Of the other arrays, a
+restore hashes the values it has read, before it assigns any (`verify`,
+from `read_arrays`): a chunk
 that one piece holds whole (the same topology) in place; a chunk split
 across devices (another topology) copied together from its pieces; one
 only partly read by this process or read with a cast (`cast_tables`) read
 again from the checkpoint by itself. A zarr v2 chunk is its values' bytes
-in C order, so its CRC-32 is that of the stored bytes: any changed byte of
-a chunk that is read fails the check. A truncated or missing data file
+in C order (an edge chunk's file pads them to a whole chunk, unchecked), so
+its CRC-32 is that of the stored values: any changed byte of a chunk's
+values that is read fails the check. A truncated or missing data file
 fails the read itself. The OCDBT B+tree nodes that hold each array's zarr
 metadata and the places of its chunks have CRC-32C checksums of their own.
 On CPU devices the hashes read the arrays' own buffers; on accelerators
@@ -90,7 +94,7 @@ Digests = dict[str, dict[str, Any]]
 """Array key → {"shape", "dtype", "block", "crc32": {block index: CRC-32}}."""
 
 
-def _crc(block: np.ndarray) -> int:
+def block_crc(block: np.ndarray) -> int:
   """CRC-32 of a block's bytes in C order (strided blocks run by run)."""
   if block.flags.c_contiguous:
     return _crc32_bytes(block.reshape(-1).view(np.uint8))
@@ -106,11 +110,11 @@ def _crc(block: np.ndarray) -> int:
   return crc
 
 
-def _name(index: tuple[int, ...]) -> str:
+def chunk_name(index: tuple[int, ...]) -> str:
   return ".".join(map(str, index)) or "0"
 
 
-def _pieces(value: Any, written: bool) -> list[tuple[tuple[int, ...], Any]]:
+def pieces(value: Any, written: bool) -> list[tuple[tuple[int, ...], Any]]:
   """(origin, host array) of each distinct piece this process holds of an
   array; `written`: only those it writes (replica 0; a host value on
   process 0)."""
@@ -132,7 +136,7 @@ def _pieces(value: Any, written: bool) -> list[tuple[tuple[int, ...], Any]]:
   return out
 
 
-def _blocks(
+def blocks(
   origin: tuple[int, ...],
   shape: tuple[int, ...],
   block: list[int],
@@ -155,6 +159,16 @@ def _blocks(
     yield index, tuple(slices), whole
 
 
+def block_shape(value: Any, chunk_bytes: int) -> list[int]:
+  """The chunk shape orbax stores an array in (and `_ckpt_tables`): its
+  write shape (a device's shard) split to at most `chunk_bytes`."""
+  shape, dtype = tuple(np.shape(value)), np.dtype(value.dtype)
+  write = shape
+  if isinstance(value, jax.Array):
+    write = value.sharding.shard_shape(shape)
+  return list(subchunking.choose_chunk_shape(shape, write, dtype, chunk_bytes))
+
+
 def chunk_digests(arrays: Mapping[str, Any], chunk_bytes: int) -> Digests:
   """CRC-32s of the blocks of the arrays this process writes.
 
@@ -173,12 +187,7 @@ def chunk_digests(arrays: Mapping[str, Any], chunk_bytes: int) -> Digests:
   out, jobs = {}, []
   for key, value in arrays.items():
     shape, dtype = tuple(np.shape(value)), np.dtype(value.dtype)
-    write = shape
-    if isinstance(value, jax.Array):
-      write = value.sharding.shard_shape(shape)
-    block = list(
-      subchunking.choose_chunk_shape(shape, write, dtype, chunk_bytes)
-    )
+    block = block_shape(value, chunk_bytes)
     crcs = {}
     out[key] = {
       "shape": list(shape),
@@ -186,13 +195,13 @@ def chunk_digests(arrays: Mapping[str, Any], chunk_bytes: int) -> Digests:
       "block": block,
       "crc32": crcs,
     }
-    for origin, data in _pieces(value, written=True):
+    for origin, data in pieces(value, written=True):
       data = np.asarray(data)
-      for index, slices, _ in _blocks(origin, data.shape, block, list(shape)):
-        jobs.append((crcs, _name(index), data[slices]))
+      for index, slices, _ in blocks(origin, data.shape, block, list(shape)):
+        jobs.append((crcs, chunk_name(index), data[slices]))
   with concurrent.futures.ThreadPoolExecutor(_THREADS) as pool:
     for (crcs, name, _), crc in zip(
-      jobs, pool.map(lambda job: _crc(job[2]), jobs), strict=True
+      jobs, pool.map(lambda job: block_crc(job[2]), jobs), strict=True
     ):
       crcs[name] = crc
   return out
@@ -272,7 +281,7 @@ def read_manifest(read: Callable[[], Any], path: str) -> dict[str, Any]:
 # Reading: the arrays.
 
 
-def _owners(stored: Mapping[str, Any]) -> dict[str, tuple[str, bool]]:
+def owners(stored: Mapping[str, Any]) -> dict[str, tuple[str, bool]]:
   """Array key → (what it holds, whether its first axis is the shards)."""
   out = {}
   for layer, stacks in stored["embeds"].items():
@@ -399,12 +408,12 @@ def _translated(
   text = _messages(error)
   arrays = os.path.join(path, "arrays")
   key = _KEY.search(text)
-  owners = _owners(stored)
-  if key is None or key.group(1) not in owners:
+  named = owners(stored)
+  if key is None or key.group(1) not in named:
     what, part = "the arrays", None
     where = None
   else:
-    what, sharded = owners[key.group(1)]
+    what, sharded = named[key.group(1)]
     part = _part(arrays, key.group(1), key.group(2), sharded)
     where = _where(arrays, f"{key.group(1)}/{key.group(2)}")
   named = _FILE.search(text)
@@ -526,10 +535,10 @@ def verify(arrays: Mapping[str, Any], path: str, stored: Mapping[str, Any]):
     if entry is None:
       continue
     shape, whole_blocks, split = list(entry["shape"]), set(), {}
-    for origin, data in _pieces(value, written=False):
+    for origin, data in pieces(value, written=False):
       data = np.asarray(data)
       same = data.dtype.name == entry["dtype"]
-      for index, slices, whole in _blocks(
+      for index, slices, whole in blocks(
         origin, data.shape, entry["block"], shape
       ):
         if whole and same:
@@ -549,7 +558,7 @@ def verify(arrays: Mapping[str, Any], path: str, stored: Mapping[str, Any]):
       block = _assembled(entry, index, block)
     if block is None:
       block = _stored_block(path, key, entry, index)
-    return _crc(block) == entry["crc32"].get(_name(index))
+    return block_crc(block) == entry["crc32"].get(chunk_name(index))
 
   with concurrent.futures.ThreadPoolExecutor(_THREADS) as pool:
     for (key, index, _), good in zip(jobs, pool.map(check, jobs), strict=True):
@@ -562,11 +571,13 @@ def _mismatch(
 ) -> ValueError:
   """The error of a block of array `key` whose checksum does not match."""
   arrays = os.path.join(path, "arrays")
-  what, sharded = _owners(stored).get(key, (f"array {key!r}", False))
+  what, sharded = owners(stored).get(key, (f"array {key!r}", False))
   entry = stored[DIGESTS][key]
   start = [i * b for i, b in zip(index, entry["block"], strict=True)]
   chunk = _chunk_shape(arrays, key) or entry["block"]
-  name = _name(tuple(s // max(c, 1) for s, c in zip(start, chunk, strict=True)))
+  name = chunk_name(
+    tuple(s // max(c, 1) for s, c in zip(start, chunk, strict=True))
+  )
   part = _part(arrays, key, name, sharded)
   where = _where(arrays, f"{key}/{name}")
   file = where[0] if where else arrays

@@ -17,6 +17,11 @@ A checkpoint holds a flat dict of arrays under generated keys (`"a0"`,
                                      "axes": ["hidden", "out"], "key": null}}},
    "trainer": [{"path": "['state'].step", "array": "a3", "leaf": {...}}, ...]}
 
+A save adds `"tables"` (the keys of the stacks' arrays, stored in the
+`tables` item, `_ckpt_tables.py`; a checkpoint without it holds every array
+in `arrays`), `"digests"` and `"crc32"` (`_ckpt_integrity.py`) and when it
+was saved (`_ckpt_steps.py`).
+
 `describe(target)` builds the same manifest for a model (or a
 `SparseCoreTrainer`) together with the arrays it would store; `check`
 compares a stored manifest with a target's and raises a `ValueError` naming

@@ -9,22 +9,24 @@ any topology; `list_checkpoints(directory)` lists them.
 Format. Checkpoints are written with orbax-checkpoint. `directory` holds one
 sub-directory per save, named by its training step (`_ckpt_steps.py` says
 how a step is chosen, which folders count and what `keep` deletes); each
-holds two orbax items:
-`arrays` (a flat dict of arrays, OCDBT/TensorStore) and `manifest` (JSON,
-described in `_ckpt_manifest.py`) that says what every array is and holds
-the CRC-32 of every stored chunk, checked on every restore before anything
-is assigned (`_ckpt_integrity.py`). Each
-stack's table and slots are stored as the devices hold them, `[N, V_shard,
-D]` and MOD-sharded, with the stack's layout in the manifest; dense
-variables by label, with their `NamedArray` axis names; a trainer's state
-leaf by leaf.
+holds up to three orbax items: `tables`, every stack's table and slots as
+the devices hold them (`[N, V_shard, D]`, MOD-sharded), as zarr v2 arrays
+written and read a chunk at a time (`_ckpt_tables.py`); `arrays`, the other
+arrays (dense variables by label, a trainer's state leaf by leaf, a delta's
+rows), a flat dict in orbax's OCDBT/TensorStore format; and `manifest`
+(JSON, described in `_ckpt_manifest.py`), which says what every array is,
+holds each stack's layout and the CRC-32 of every stored chunk, checked on
+every restore before anything is assigned (`_ckpt_integrity.py`).
 
 Writes are parallel and per process: every process writes the shards its
-devices hold (orbax's `ocdbt.process_<i>` files), nothing is gathered to one
-host, and the directory must be on a file system every process sees.
-`max_host_bytes` caps the bytes a process holds in flight between storage
-and memory (one device shard must fit under it). The processes agree on
-the checkpoint they restore and the step they save, and a failure on one
+devices hold (chunk files of `tables`, orbax's `ocdbt.process_<i>` files of
+`arrays`), nothing is gathered to one host, and the directory must be on a
+file system every process sees. A save holds a few chunks of a table beside
+it and a restore the table once (a 100M x 64 bfloat16 table saves and
+restores on a 24 GiB machine). `max_host_bytes` caps the bytes a process
+holds in flight between storage and memory (a table's chunk, and one device
+shard of any other array, must fit under it). The processes agree on the
+checkpoint they restore and the step they save, and a failure on one
 reaches all within a second as an exception (`_ckpt_agree.py`).
 
 Atomicity. A save writes into `<n>.orbax-checkpoint-tmp`, syncs every file
@@ -110,6 +112,7 @@ from pz_sparsecore.nn._ckpt_delta import (
   saved,
 )
 from pz_sparsecore.nn._ckpt_integrity import (
+  block_shape,
   chunk_digests,
   merged,
   read_arrays,
@@ -134,6 +137,15 @@ from pz_sparsecore.nn._ckpt_steps import (
   remove_old,
   save_step,
   stamp,
+)
+from pz_sparsecore.nn._ckpt_tables import (
+  ITEM as _TABLES,
+)
+from pz_sparsecore.nn._ckpt_tables import (
+  TablesHandler,
+  TablesSave,
+  read_all,
+  stored_keys,
 )
 from pz_sparsecore.nn.training import SparseCoreTrainer
 
@@ -211,19 +223,28 @@ def _handlers(
       use_zarr3=False,
     )
   )
-  handlers = {_ARRAYS: arrays, _MANIFEST: ocp.JsonCheckpointHandler()}
+  handlers = {
+    _ARRAYS: arrays,
+    _TABLES: TablesHandler(_CHUNK_BYTES, max_host_bytes),
+    _MANIFEST: ocp.JsonCheckpointHandler(),
+  }
   if op is None:
     return handlers
   return {item: synced(h, op, item) for item, h in handlers.items()}
 
 
-def _check_cap(description: Description, max_host_bytes: int | None) -> None:
-  """Raises if one device's piece of an array does not fit under the cap."""
+def _check_cap(
+  description: Description, max_host_bytes: int | None, tables: list[str]
+) -> None:
+  """Raises if one device's piece of an array (one chunk of a stack's
+  `tables`) does not fit under the cap."""
   if max_host_bytes is None:
     return
   for key, value in description.values.items():
     shape = np.shape(value)
-    if isinstance(value, jax.Array):
+    if key in tables:
+      shape = block_shape(value, _CHUNK_BYTES)
+    elif isinstance(value, jax.Array):
       shape = value.sharding.shard_shape(value.shape)
     size = math.prod(shape) * np.dtype(value.dtype).itemsize
     if size >= max_host_bytes:
@@ -329,8 +350,10 @@ def _save(
   description = describe(target)
   if parent is not None:
     description = described(description, target, directory, parent)
-  _check_cap(description, max_host_bytes)
+  tables = stored_keys(description.manifest)
+  _check_cap(description, max_host_bytes, tables)
   arrays = {key: _storable(v) for key, v in description.values.items()}
+  stacks = {key: arrays.pop(key) for key in tables}
   save_args = {
     key: ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES) for key in arrays
   }
@@ -340,9 +363,12 @@ def _save(
     "parent", f"the checkpoint a delta in {directory} chains onto", parent
   )
   description.manifest[SAVED] = stamp(step, target)
+  description.manifest[_TABLES] = tables
   digests = merged(
     op.sync(
-      "digests", "hashing the arrays", chunk_digests(arrays, _CHUNK_BYTES)
+      "digests",
+      "hashing the arrays",
+      chunk_digests({**arrays, **stacks}, _CHUNK_BYTES),
     )
   )
   options = ocp.CheckpointManagerOptions(
@@ -356,15 +382,16 @@ def _save(
     item_handlers=_handlers(max_host_bytes, op),
     options=options,
   ) as manager:
-    manager.save(
-      step,
-      args=ocp.args.Composite(
-        **{
-          _ARRAYS: ocp.args.PyTreeSave(arrays, save_args=save_args),
-          _MANIFEST: ocp.args.JsonSave(seal(description.manifest, digests)),
-        }
-      ),
-    )
+    items = {
+      _ARRAYS: ocp.args.PyTreeSave(arrays, save_args=save_args),
+      _TABLES: TablesSave(stacks),
+      _MANIFEST: ocp.args.JsonSave(seal(description.manifest, digests)),
+    }
+    if not arrays:  # orbax refuses an empty tree.
+      del items[_ARRAYS]
+    if not stacks:
+      del items[_TABLES]
+    manager.save(step, args=ocp.args.Composite(**items))
   saved(target, directory, step)
   remove_old(directory, step, keep)
   op.sync("done", "removing the old checkpoints")
@@ -533,7 +560,11 @@ def _restore(
     raise ValueError(f"{path}: {e}") from None
   chain.read(arrays_of, description, cast_tables)
   reads = Reads.plan(stored, description, model)
-  arrays = arrays_of(path, stored, reads.args)
+  tables = set(stored.get(_TABLES, ()))
+  args = {k: a for k, a in reads.args.items() if k not in tables}
+  arrays = arrays_of(path, stored, args) if args else {}
+  tables = {k: a for k, a in reads.args.items() if k in tables}
+  arrays.update(read_all(path, stored, tables, max_host_bytes))
   op.sync("read", f"reading {path}")
   leaves = None if reads.trainer is None else reads.trainer_leaves(arrays)
   values, leaves = chain.apply(model, reads.values(arrays), leaves)
