@@ -5,38 +5,42 @@ MiB of slots; `--rows 100000000` is the 11.9 GiB table of
 `benchmarks/large_table.py`) is saved and restored with
 `pzsc.save_checkpoint` / `pzsc.restore_checkpoint` in these formats:
 
-* `zarr2`: the format before checksums (orbax's zarr v2 chunks, nothing
-  checked);
-* `zarr2+crc32`: what `save_checkpoint` writes now (zarr v2 chunks, the
-  CRC-32 of every chunk in the manifest, checked on every restore);
-* `zarr3+crc32c`: what f427531 wrote (zarr v3 with a crc32c codec per
-  chunk, checked by TensorStore as it decodes).
+* `files+crc32`: what `save_checkpoint` writes now (the stack in zarr v2
+  chunk files of its own, written and read a chunk at a time, the CRC-32
+  of every chunk in the manifest, checked on every restore);
+* `files`: the same without the CRC-32s (nothing checked);
+* `orbax+crc32`: what 6cd1204 wrote (the stack among orbax's arrays, zarr
+  v2 chunks in OCDBT files, the CRC-32s in the manifest). orbax holds a
+  device's whole shard on the host beside the table at a save, and two
+  copies at a restore: the 100M-row table runs out of memory on 24 GiB.
 
 Each round saves the formats from one process that builds the table once,
 then restores each checkpoint in a process of its own (a target without
-values, so the table is in memory once: 100M rows fit a 24 GiB machine),
-and deletes it. The order of the formats rotates from round to round. The
-table prints the median seconds, the bytes on disk and the load average
-seen during the runs. Restores read what the save has just written, from
-the page cache as far as memory allows.
+values, so the table is in memory once), and deletes it. The order of the
+formats rotates from round to round. The table prints the median seconds,
+the bytes on disk, each process's peak resident memory beyond what it held
+before the save or restore, and the load average seen during the runs.
+`--cold` drops the page cache before every restore (needs root), so the
+restores read from the disk.
 
 `--deltas`: instead, delta checkpoints of a trainer built with
 `track_touched=True`, in one process: per round a full save, then deltas
 with 0.1%, 1% and 10% of the rows touched (drawn at random and set in the
 trainer's touched-row bitmap, as its steps would set them); the median
-seconds and bytes on disk of each against the full save's. A full save
-of a trainer there needs about 1.6 times the table's bytes beside it (peak
-RSS 16.2 GiB for 6.2 GiB of table and slots at 50M rows), so the 100M-row
-table does not fit a 24 GiB machine.
+seconds and bytes on disk of each against the full save's; then restores,
+each in a process of its own, of the full checkpoint and of the chain of
+the full checkpoint and its three deltas.
 
 Usage: python benchmarks/checkpoint.py [--rows 8000000] [--rounds 3]
-  [--formats zarr2,zarr2+crc32,zarr3+crc32c] [--dir DIR] [--deltas]
+  [--formats files,files+crc32,orbax+crc32] [--dir DIR] [--cold]
+  [--deltas]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -47,7 +51,7 @@ import tempfile
 import time
 from unittest import mock
 
-FORMATS = ("zarr2", "zarr2+crc32", "zarr3+crc32c")
+FORMATS = ("files", "files+crc32", "orbax+crc32")
 
 
 def _bytes(path: str) -> int:
@@ -61,39 +65,19 @@ def _bytes(path: str) -> int:
 @contextlib.contextmanager
 def _format(name: str):
   """Within it, `save_checkpoint` writes format `name`."""
-  import orbax.checkpoint as ocp
-  from orbax.checkpoint._src.serialization import tensorstore_utils
-
   from pz_sparsecore.nn import checkpoint
 
   with contextlib.ExitStack() as stack:
-    if name != "zarr2+crc32":  # No digests in the manifest.
+    if name == "files":  # No digests in the manifest.
       stack.enter_context(
         mock.patch.object(checkpoint, "chunk_digests", lambda *_: {})
       )
       stack.enter_context(
         mock.patch.object(checkpoint, "merged", lambda _: None)
       )
-    if name == "zarr3+crc32c":
-      handler = ocp.BasePyTreeCheckpointHandler
-      build = tensorstore_utils._build_zarr3_metadata
-
-      def zarr3(**kwargs):
-        return handler(**{**kwargs, "use_zarr3": True})
-
-      def checksummed(*args, **kwargs):
-        metadata = build(*args, **kwargs)
-        (sharding,) = metadata["codecs"]
-        sharding["configuration"]["codecs"].append({"name": "crc32c"})
-        return metadata
-
+    if name == "orbax+crc32":  # No table in the `tables` item.
       stack.enter_context(
-        mock.patch.object(ocp, "BasePyTreeCheckpointHandler", zarr3)
-      )
-      stack.enter_context(
-        mock.patch.object(
-          tensorstore_utils, "_build_zarr3_metadata", checksummed
-        )
+        mock.patch.object(checkpoint, "stored_keys", lambda _: [])
       )
     yield
 
@@ -122,9 +106,42 @@ def _features(rows: int, dim: int) -> dict:
   return {"items": feature}
 
 
+def _rss() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@contextlib.contextmanager
+def _peak(out: dict, name: str):
+  """Records in `out[name]` the peak resident bytes within it beyond the
+  bytes resident at its start (sampled every 5 ms)."""
+  import threading
+
+  base, peak, done = _rss(), [0], threading.Event()
+
+  def sample():
+    while not done.wait(0.005):
+      peak[0] = max(peak[0], _rss())
+
+  thread = threading.Thread(target=sample, daemon=True)
+  thread.start()
+  try:
+    yield
+  finally:
+    done.set()
+    thread.join()
+    out[name] = max(peak[0], _rss()) - base
+
+
+def _drop_page_cache() -> None:
+  os.sync()
+  with open("/proc/sys/vm/drop_caches", "w") as f:
+    f.write("3\n")
+
+
 def _child(args: argparse.Namespace) -> None:
   """Saves every format (`--save`) or restores one (`--restore`); prints
-  the seconds as JSON."""
+  the seconds and peak memory as JSON."""
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
   import jax
   import numpy as np
@@ -148,17 +165,18 @@ def _child(args: argparse.Namespace) -> None:
     embed = build(jax.random.key(0))
     jax.block_until_ready(table_arrays(embed))
     for name in args.formats.split(","):
-      with _format(name):
+      with _format(name), _peak(out, f"{name} peak"):
         t0 = time.perf_counter()
         pzsc.save_checkpoint(os.path.join(args.dir, name), embed)
         out[name] = time.perf_counter() - t0
-        out[f"{name} load"] = os.getloadavg()[0]
+      out[f"{name} load"] = os.getloadavg()[0]
   else:
     target = build(None)
-    t0 = time.perf_counter()
-    restored = pzsc.restore_checkpoint(args.dir, target)
-    jax.block_until_ready(table_arrays(restored))
-    out["restore"] = time.perf_counter() - t0
+    with _peak(out, "peak"):
+      t0 = time.perf_counter()
+      restored = pzsc.restore_checkpoint(args.dir, target, step=args.step)
+      jax.block_until_ready(table_arrays(restored))
+      out["restore"] = time.perf_counter() - t0
     out["load"] = os.getloadavg()[0]
   print(json.dumps(out))
 
@@ -183,6 +201,8 @@ def main() -> None:
   parser.add_argument("--restore", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--deltas", action="store_true")
   parser.add_argument("--max-host-bytes", type=int, default=None)
+  parser.add_argument("--cold", action="store_true")
+  parser.add_argument("--step", type=int, default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.save or args.restore:
     _child(args)
@@ -198,6 +218,7 @@ def main() -> None:
   size = ["--rows", str(args.rows), "--dim", str(args.dim)]
   root = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir)
   times = {name: {"save": [], "restore": []} for name in formats}
+  peaks = {name: {"save": [], "restore": []} for name in formats}
   sizes, loads = {}, []
   try:
     for round_ in range(args.rounds):
@@ -207,11 +228,15 @@ def main() -> None:
       saved = _run("--save", "--dir", root, "--formats", ",".join(order), *size)
       for name in order:
         times[name]["save"].append(saved[name])
+        peaks[name]["save"].append(saved[f"{name} peak"])
         loads.append(saved[f"{name} load"])
         directory = os.path.join(root, name)
         sizes[name] = _bytes(directory)
+        if args.cold:
+          _drop_page_cache()
         restored = _run("--restore", "--dir", directory, *size)
         times[name]["restore"].append(restored["restore"])
+        peaks[name]["restore"].append(restored["peak"])
         loads.append(restored["load"])
         shutil.rmtree(directory)
         print(
@@ -222,17 +247,26 @@ def main() -> None:
   finally:
     shutil.rmtree(root, ignore_errors=True)
 
-  gib = args.rows * args.dim * 2 / 1024**3
+  table = args.rows * args.dim * 2
   print(
-    f"table {args.rows:,} x {args.dim} bfloat16 ({gib:.2f} GiB) + "
+    f"table {args.rows:,} x {args.dim} bfloat16 ({table / 2**30:.2f} GiB) + "
     f"row-wise Adagrad; median of {args.rounds} rounds; {os.cpu_count()} "
-    f"CPUs, load {min(loads):.1f}-{max(loads):.1f}"
+    f"CPUs, load {min(loads):.1f}-{max(loads):.1f}; restores "
+    f"{'from the disk (page cache dropped)' if args.cold else 'as cached'}"
   )
-  print(f"{'format':<14}{'save s':>9}{'restore s':>11}{'bytes on disk':>16}")
+  print(
+    f"{'format':<13}{'save s':>8}{'restore s':>11}{'bytes on disk':>16}"
+    f"{'save peak':>11}{'restore peak':>14}"
+  )
   for name in formats:
     save = statistics.median(times[name]["save"])
     restore = statistics.median(times[name]["restore"])
-    print(f"{name:<14}{save:>9.2f}{restore:>11.2f}{sizes[name]:>16,}")
+    peak = {k: max(v) / table for k, v in peaks[name].items()}
+    print(
+      f"{name:<13}{save:>8.2f}{restore:>11.2f}{sizes[name]:>16,}"
+      f"{peak['save']:>10.2f}x{peak['restore']:>13.2f}x"
+    )
+  print("peak: the most resident memory beyond the start's, in tables")
 
 
 def _deltas(args) -> None:
@@ -294,6 +328,22 @@ def _deltas(args) -> None:
           loss_fn_state=state.loss_fn_state,
         )
         save(fraction, delta=True)
+    # The last round's checkpoints, restored in processes of their own
+    # with this one's table freed (both would not fit beside each other).
+    base = pzsc.list_checkpoints(root)[0].step
+    embed = trainer = bitmap = None
+    gc.collect()
+    restores = {"full": [], "full + 3 deltas": []}
+    size = ["--rows", str(args.rows), "--dim", str(args.dim)]
+    for _ in range(args.rounds):
+      for name, step in (
+        ("full", ["--step", str(base)]),
+        ("full + 3 deltas", []),
+      ):
+        if args.cold:
+          _drop_page_cache()
+        restored = _run("--restore", "--dir", root, *step, *size)
+        restores[name].append(restored["restore"])
   finally:
     shutil.rmtree(root, ignore_errors=True)
 
@@ -301,7 +351,8 @@ def _deltas(args) -> None:
   print(
     f"table {args.rows:,} x {args.dim} bfloat16 ({gib:.2f} GiB) + "
     f"row-wise Adagrad; median of {args.rounds} rounds; {os.cpu_count()} "
-    f"CPUs, load {os.getloadavg()[0]:.1f}"
+    f"CPUs, load {os.getloadavg()[0]:.1f}; restores "
+    f"{'from the disk (page cache dropped)' if args.cold else 'as cached'}"
   )
   full = statistics.median(times["full"])
   print(
@@ -315,6 +366,9 @@ def _deltas(args) -> None:
       f"{what:<12}{seconds:>9.2f}{sizes[name]:>16,}"
       f"{full / seconds:>7.0f}x{sizes['full'] / sizes[name]:>8.0f}x"
     )
+  print(f"{'restore':<16}{'seconds':>9}")
+  for name, values in restores.items():
+    print(f"{name:<16}{statistics.median(values):>9.2f}")
 
 
 if __name__ == "__main__":
