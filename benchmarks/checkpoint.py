@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import shutil
@@ -186,7 +185,9 @@ def _run(*argv: str) -> dict:
     [sys.executable, __file__, *argv], capture_output=True, text=True
   )
   if result.returncode:
-    raise RuntimeError(result.stderr[-4000:])
+    raise RuntimeError(
+      f"{argv[0]} exited with {result.returncode}: {result.stderr[-4000:]}"
+    )
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -203,9 +204,18 @@ def main() -> None:
   parser.add_argument("--max-host-bytes", type=int, default=None)
   parser.add_argument("--cold", action="store_true")
   parser.add_argument("--step", type=int, default=None, help=argparse.SUPPRESS)
+  parser.add_argument(
+    "--delta-saves", action="store_true", help=argparse.SUPPRESS
+  )
   args = parser.parse_args()
   if args.save or args.restore:
     _child(args)
+    return
+  if args.delta_saves:
+    os.environ.setdefault(
+      "XLA_FLAGS", "--xla_force_host_platform_device_count=1"
+    )
+    _delta_saves(args)
     return
   if args.deltas:
     os.environ.setdefault(
@@ -269,8 +279,10 @@ def main() -> None:
   print("peak: the most resident memory beyond the start's, in tables")
 
 
-def _deltas(args) -> None:
-  """Delta saves of 0.1%, 1% and 10% of the rows against a full save."""
+def _delta_saves(args) -> None:
+  """In a process of its own: per round a full save into `--dir`, then
+  deltas of 0.1%, 1% and 10% of the rows; prints the seconds and bytes
+  on disk of each, and the step of the last round's full save, as JSON."""
   import jax
   import numpy as np
   import optax
@@ -297,53 +309,66 @@ def _deltas(args) -> None:
   (label,) = trainer.touched.bitmaps
   bitmap = trainer.touched.bitmaps[label]
   rng = np.random.default_rng(0)
-  fractions = (0.001, 0.01, 0.1)
-  times = {name: [] for name in ("full", *fractions)}
-  sizes = {}
-  root = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir)
+  names = ["full", *(f"delta {f:.1%}" for f in _FRACTIONS)]
+  out = {"seconds": {name: [] for name in names}, "bytes": {}}
 
   def save(name, **kwargs):
     t0 = time.perf_counter()
     path = pzsc.save_checkpoint(
-      root, trainer, keep=None, max_host_bytes=args.max_host_bytes, **kwargs
+      args.dir, trainer, keep=None, max_host_bytes=args.max_host_bytes, **kwargs
     )
-    times[name].append(time.perf_counter() - t0)
-    sizes[name] = _bytes(path)
+    out["seconds"][name].append(time.perf_counter() - t0)
+    out["bytes"][name] = _bytes(path)
 
+  for _ in range(args.rounds):
+    for entry in os.listdir(args.dir):
+      shutil.rmtree(os.path.join(args.dir, entry))
+    save("full")
+    out["base"] = int(trainer.state.value.step)
+    for name, fraction in zip(names[1:], _FRACTIONS, strict=True):
+      touched = np.zeros(bitmap.size, bool)
+      touched[rng.choice(bitmap.size, int(fraction * bitmap.size))] = True
+      trainer.touched.bitmaps[label] = jax.device_put(
+        touched.reshape(bitmap.shape), bitmap.sharding
+      )
+      # A trainer's checkpoints are named by its step: one step a save.
+      state = trainer.state.value
+      trainer.state.value = type(state)(
+        step=state.step + 1,
+        opt_state=state.opt_state,
+        loss_fn_state=state.loss_fn_state,
+      )
+      save(name, delta=True)
+  print(json.dumps(out))
+
+
+_FRACTIONS = (0.001, 0.01, 0.1)
+
+
+def _deltas(args) -> None:
+  """Delta saves against a full save (`_delta_saves`, in a process of its
+  own), then restores of the last round's full checkpoint and of its
+  chain, each in a process of its own."""
+  root = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir)
+  size = ["--rows", str(args.rows), "--dim", str(args.dim)]
+  cap = []
+  if args.max_host_bytes is not None:
+    cap = ["--max-host-bytes", str(args.max_host_bytes)]
+  rounds = ["--rounds", str(args.rounds)]
+  restores = {"full": [], "full + 3 deltas": []}
+  peaks = {name: [] for name in restores}
   try:
-    for _ in range(args.rounds):
-      shutil.rmtree(root)
-      save("full")
-      for fraction in fractions:
-        touched = np.zeros(bitmap.size, bool)
-        touched[rng.choice(bitmap.size, int(fraction * bitmap.size))] = True
-        trainer.touched.bitmaps[label] = jax.device_put(
-          touched.reshape(bitmap.shape), bitmap.sharding
-        )
-        # A trainer's checkpoints are named by its step: one step a save.
-        state = trainer.state.value
-        trainer.state.value = type(state)(
-          step=state.step + 1,
-          opt_state=state.opt_state,
-          loss_fn_state=state.loss_fn_state,
-        )
-        save(fraction, delta=True)
-    # The last round's checkpoints, restored in processes of their own
-    # with this one's table freed (both would not fit beside each other).
-    base = pzsc.list_checkpoints(root)[0].step
-    embed = trainer = bitmap = None
-    gc.collect()
-    restores = {"full": [], "full + 3 deltas": []}
-    size = ["--rows", str(args.rows), "--dim", str(args.dim)]
+    saved = _run("--delta-saves", "--dir", root, *size, *rounds, *cap)
     for _ in range(args.rounds):
       for name, step in (
-        ("full", ["--step", str(base)]),
+        ("full", ["--step", str(saved["base"])]),
         ("full + 3 deltas", []),
       ):
         if args.cold:
           _drop_page_cache()
         restored = _run("--restore", "--dir", root, *step, *size)
         restores[name].append(restored["restore"])
+        peaks[name].append(restored["peak"])
   finally:
     shutil.rmtree(root, ignore_errors=True)
 
@@ -354,21 +379,23 @@ def _deltas(args) -> None:
     f"CPUs, load {os.getloadavg()[0]:.1f}; restores "
     f"{'from the disk (page cache dropped)' if args.cold else 'as cached'}"
   )
-  full = statistics.median(times["full"])
+  seconds, sizes = saved["seconds"], saved["bytes"]
+  full = statistics.median(seconds["full"])
   print(
     f"{'save':<12}{'seconds':>9}{'bytes on disk':>16}{'faster':>8}"
     f"{'smaller':>9}"
   )
-  for name, values in times.items():
-    seconds = statistics.median(values)
-    what = "full" if name == "full" else f"delta {name:.1%}"
+  for name, values in seconds.items():
+    median = statistics.median(values)
     print(
-      f"{what:<12}{seconds:>9.2f}{sizes[name]:>16,}"
-      f"{full / seconds:>7.0f}x{sizes['full'] / sizes[name]:>8.0f}x"
+      f"{name:<12}{median:>9.2f}{sizes[name]:>16,}"
+      f"{full / median:>7.0f}x{sizes['full'] / sizes[name]:>8.0f}x"
     )
-  print(f"{'restore':<16}{'seconds':>9}")
+  table = args.rows * args.dim * 2
+  print(f"{'restore':<16}{'seconds':>9}{'peak':>7}")
   for name, values in restores.items():
-    print(f"{name:<16}{statistics.median(values):>9.2f}")
+    peak = max(peaks[name]) / table
+    print(f"{name:<16}{statistics.median(values):>9.2f}{peak:>6.2f}x")
 
 
 if __name__ == "__main__":

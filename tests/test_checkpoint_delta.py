@@ -8,6 +8,7 @@ bit.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 
@@ -22,10 +23,17 @@ from test_checkpoint import (
   _trainer_values,
   noisy_loss_fn,
 )
-from test_training import act_grads, build_model, make_batch
+from test_training import (
+  act_grads,
+  build_model,
+  feature_specs,
+  make_batch,
+  mesh_of,
+)
 
 import pz_sparsecore as pzsc
 from pz_sparsecore.core import specs
+from pz_sparsecore.nn.embed import SparseCoreEmbed
 from pz_sparsecore.nn.training import SparseCoreTrainer
 
 
@@ -245,3 +253,45 @@ def test_a_delta_needs_tracking(tmp_path):
   with pytest.raises(ValueError, match="not both"):
     pzsc.save_checkpoint(tmp_path, tracked, delta=True, full_every=3)
   assert [i.step for i in pzsc.list_checkpoints(tmp_path)] == [0]
+
+
+def test_a_chain_casts_as_a_full_checkpoint_does(chain):
+  """`cast_tables`: float32 tables of a chain read into bfloat16 ones equal
+  the same state's full checkpoint read into them, and the trainer's
+  values rounded to bfloat16 (to nearest, ties to even)."""
+  directory, full, want = chain
+
+  def bf16_model():
+    features = {
+      name: dataclasses.replace(
+        f, table_spec=dataclasses.replace(f.table_spec, dtype="bfloat16")
+      )
+      for name, f in feature_specs(4, 2, SOME_TABLES).items()
+    }
+    embed = SparseCoreEmbed.from_config(
+      "emb", None, features, mesh_of(4), num_sc_per_device=2
+    )
+    return dataclasses.replace(build_model(4, 2, SOME_TABLES), embed=embed)
+
+  restored = [
+    pzsc.restore_checkpoint(path, bf16_model(), cast_tables=True)
+    for path in (directory, full)
+  ]
+  for model in restored:
+    tables = pzsc.logical_tables(model.embed)
+    assert set(tables) == set(SOME_TABLES)
+    stacks = {k: v.value.dtype for k, v in model.embed.tables.items()}
+    # The pair's stack keeps its float32 (its stacked spec's dtype).
+    assert stacks == {
+      "sgd": jnp.bfloat16,
+      "adam": jnp.bfloat16,
+      "pa_pb": np.float32,
+    }, stacks
+    for name, value in tables.items():
+      dtype = np.float32 if name in ("pa", "pb") else jnp.bfloat16
+      rounded = want[6][name].astype(dtype).astype(np.float32)
+      np.testing.assert_array_equal(
+        np.asarray(value, np.float32).view(np.uint32),
+        rounded.view(np.uint32),
+        name,
+      )

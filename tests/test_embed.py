@@ -450,3 +450,42 @@ def test_initial_rows_are_each_tables_own_draw(mesh):
       np.testing.assert_allclose(
         got[g, start : start + rows], want, rtol=1e-6, atol=1e-6
       )
+
+
+def test_specs_stacked_for_another_topology_are_refused():
+  """A stack prepared for 8 shards on 4: the second table's block would
+  start at row 8 of each shard where the kernels put it at row 16, and the
+  first table's rows 8-15 of each shard would be the second's."""
+
+  def features():
+    out = {}
+    for name, vocab in (("a", 64), ("b", 128)):
+      table = specs.TableSpec(
+        name=name,
+        vocabulary_size=vocab,
+        embedding_dim=8,
+        initializer=jax.nn.initializers.zeros,
+        optimizer=specs.SGDOptimizerSpec(),
+        combiner="sum",
+      )
+      out[name] = specs.FeatureSpec(
+        name=name, table_spec=table, input_shape=(8, 1), output_shape=(8, 8)
+      )
+    return pzsc.stack_tables(out, ["a", "b"], 4, 2, 0)
+
+  mesh4 = Mesh(np.array(jax.devices()[:4]), ("device",))
+  with pytest.raises(ValueError, match="table 'b' was prepared for another"):
+    SparseCoreEmbed.from_config("e", jax.random.key(0), features(), mesh4)
+  # The user's next step: the same specs on the topology they were stacked
+  # for restore the layer, and a round trip of the tables is exact.
+  embed = SparseCoreEmbed.from_config(
+    "e", jax.random.key(0), features(), mesh4, num_sc_per_device=2
+  )
+  values = {
+    "a": np.arange(64 * 8, dtype=np.float32).reshape(64, 8),
+    "b": -np.arange(128 * 8, dtype=np.float32).reshape(128, 8),
+  }
+  pzsc.set_logical_tables(embed, values)
+  got = pzsc.logical_tables(embed)
+  for name, value in values.items():
+    np.testing.assert_array_equal(got[name], value)

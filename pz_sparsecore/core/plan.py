@@ -266,6 +266,23 @@ def _check_stack(
         f"split over {n} shards (of a multiple of {buffer_format.ALIGNMENT} "
         "rows)"
       )
+    # The layer reads a table's rows where its setting says; the kernels
+    # where its id transformation says (`_feature_plan`).
+    setting = spec.table_spec.setting_in_stack
+    transform = id_transformation(spec)
+    start, rotation = transform.col_offset // n, transform.col_shift % n
+    if (setting.row_offset_in_shard, setting.shard_rotation) != (
+      start,
+      rotation,
+    ):
+      raise ValueError(
+        f"feature {spec.name!r}: table {spec.table_spec.name!r} was prepared "
+        f"for another topology: it starts at row "
+        f"{setting.row_offset_in_shard} of each shard with rotation "
+        f"{setting.shard_rotation}, which on {n} shards are row {start} and "
+        f"rotation {rotation}; prepare the specs for {g} devices x {s} "
+        "SparseCores"
+      )
   layout.check_logical_dims(
     name, stacked.optimizer, [f.table_spec for f in features]
   )

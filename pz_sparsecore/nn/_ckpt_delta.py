@@ -198,6 +198,18 @@ def _host_args(manifest: Mapping[str, Any]) -> dict[str, Any]:
   return args
 
 
+def _stack_labels(config: Any) -> list[tuple[str, str | None]]:
+  """(label, last axis) of every stack's table and slots of a layer."""
+  out = []
+  for stack in config.plan.stacks:
+    out.append((config.table_label(stack.name), None))
+    for slot in stack.optimizer.definition.slots:
+      out.append(
+        (config.slot_label(stack.name, slot.name), slot_axis(config, slot))
+      )
+  return out
+
+
 @dataclasses.dataclass
 class _Delta:
   """One delta read: its folder, manifest and arrays."""
@@ -291,14 +303,13 @@ class Chain:
     """The manifest of the checkpoint asked for."""
     return self.deltas[-1].manifest if self.deltas else self.manifest
 
-  def apply(
-    self, model: Any, values: dict[str, Any], trainer_leaves: list[Any] | None
-  ) -> tuple[dict[str, Any], list[Any] | None]:
-    """The full checkpoint's values (by label) and trainer leaves with the
-    deltas written over them."""
+  def updates(self, model: Any) -> dict[str, tuple[str, np.ndarray, Any]]:
+    """Per table or slot label of `model` that the deltas change: its
+    stack, and the flat rows (in the model's layout of the stack) and
+    their newest values."""
+    out = {}
     if not self.deltas:
-      return values, trainer_leaves
-    values = dict(values)
+      return out
     for embed in find_embeds(model):
       config = embed.config
       for stack in config.plan.stacks:
@@ -307,17 +318,38 @@ class Chain:
         for slot in stack.optimizer.definition.slots:
           arrays[slot.name] = (config.slot_label(stack.name, slot.name), slot)
         for name, (label, slot) in arrays.items():
-          layout, axis = target, None
+          layout = target
           if slot is not None:
             layout = target.with_width(slot.width(target.dim))
-            axis = slot_axis(config, slot)
           rows, data = self._rows(config.name, name, slot, layout)
-          if rows is None:
-            continue
-          table = positional_table(config, values[label])
-          values[label] = named_table(
-            config, _put(config.topology, stack.name, table, rows, data), axis
-          )
+          if rows is not None:
+            out[label] = (stack.name, rows, data)
+    return out
+
+  def apply(
+    self,
+    model: Any,
+    values: dict[str, Any],
+    trainer_leaves: list[Any] | None,
+    updates: Mapping[str, tuple[str, np.ndarray, Any]],
+  ) -> tuple[dict[str, Any], list[Any] | None]:
+    """The full checkpoint's values (by label) and trainer leaves with the
+    deltas written over them: `updates` (of `updates`, less those already
+    written while reading) on the devices, the newest delta's dense values
+    and trainer leaves."""
+    if not self.deltas:
+      return values, trainer_leaves
+    values = dict(values)
+    for embed in find_embeds(model):
+      config = embed.config
+      for label, axis in _stack_labels(config):
+        if label not in updates:
+          continue
+        stack, rows, data = updates[label]
+        table = positional_table(config, values[label])
+        values[label] = named_table(
+          config, _put(config.topology, stack, table, rows, data), axis
+        )
     values.update(self.leaves.values(self.deltas[-1].arrays))
     if trainer_leaves is not None:
       trainer_leaves = self.leaves.trainer_leaves(self.deltas[-1].arrays)

@@ -21,7 +21,8 @@ values that is read fails the check. A truncated or missing data file
 fails the read itself. The OCDBT B+tree nodes that hold each array's zarr
 metadata and the places of its chunks have CRC-32C checksums of their own.
 On CPU devices the hashes read the arrays' own buffers; on accelerators
-they read a host copy of each shard, one more transfer beside orbax's.
+a copy of one chunk at a time (`host_piece`), one more transfer of the
+table beside the write's.
 
 CRC-32 is computed by ISA-L (`isal`: carry-less multiplies, 12 GB/s on
 one core here) or, without it, zlib (the same values, 4 GB/s). f427531's
@@ -159,6 +160,17 @@ def blocks(
     yield index, tuple(slices), whole
 
 
+def host_piece(data: Any) -> Any:
+  """A device piece as a host array where a CPU device's buffer is one (a
+  view, no copy); an accelerator's stays a device array, of which each
+  chunk is then transferred by itself."""
+  if isinstance(data, jax.Array):
+    device = next(iter(data.sharding.device_set))
+    if device.platform != "cpu":
+      return data
+  return np.asarray(data)
+
+
 def block_shape(value: Any, chunk_bytes: int) -> list[int]:
   """The chunk shape orbax stores an array in (and `_ckpt_tables`): its
   write shape (a device's shard) split to at most `chunk_bytes`."""
@@ -196,12 +208,17 @@ def chunk_digests(arrays: Mapping[str, Any], chunk_bytes: int) -> Digests:
       "crc32": crcs,
     }
     for origin, data in pieces(value, written=True):
-      data = np.asarray(data)
+      data = host_piece(data)
       for index, slices, _ in blocks(origin, data.shape, block, list(shape)):
-        jobs.append((crcs, chunk_name(index), data[slices]))
+        jobs.append((crcs, chunk_name(index), data, slices))
+
+  def hashed(job) -> int:
+    _, _, data, slices = job
+    return block_crc(np.asarray(data[slices]))
+
   with concurrent.futures.ThreadPoolExecutor(_THREADS) as pool:
-    for (crcs, name, _), crc in zip(
-      jobs, pool.map(lambda job: block_crc(job[2]), jobs), strict=True
+    for (crcs, name, _, _), crc in zip(
+      jobs, pool.map(hashed, jobs), strict=True
     ):
       crcs[name] = crc
   return out

@@ -226,6 +226,12 @@ class Reads:
       trainer = _leaf_reads(stored["trainer"], target["trainer"], values, args)
     return cls(args, {}, dict(zip(labels, variables, strict=True)), trainer)
 
+  def stored_key(self, label: str) -> str | None:
+    """The stored array a table or slot label is read from as it is
+    stored (the same layout); None if it is built by a relayout."""
+    read = self.stacks[label]
+    return read.keys[0] if read.sources is None else None
+
   def values(self, arrays: Mapping[str, Any]) -> dict[str, Any]:
     """Label → the restored value of every variable."""
     out = {label: read(arrays) for label, read in self.stacks.items()}

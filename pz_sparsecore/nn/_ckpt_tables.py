@@ -54,6 +54,7 @@ from pz_sparsecore.nn._ckpt_integrity import (
   block_shape,
   blocks,
   chunk_name,
+  host_piece,
   owners,
   pieces,
 )
@@ -130,16 +131,6 @@ def _metadata(folder: str, shape: tuple[int, ...], dtype: Any, block) -> None:
   ).result()
 
 
-def _host_piece(data: Any) -> Any:
-  """A device piece as a host array where a CPU device's buffer is one (a
-  view, no copy); an accelerator's stays a device array."""
-  if isinstance(data, jax.Array):
-    device = next(iter(data.sharding.device_set))
-    if device.platform != "cpu":
-      return data
-  return np.asarray(data)
-
-
 def _write_chunk(job: tuple[str, Any, tuple[slice, ...], list[int]]) -> None:
   """Writes a chunk of a piece: a view of a host piece, else a transfer
   of the chunk alone."""
@@ -171,7 +162,7 @@ def write(
     if jax.process_index() == 0:
       _metadata(folder, shape, dtype, block)
     for origin, data in pieces(value, written=True):
-      data = _host_piece(data)
+      data = host_piece(data)
       for index, slices, _ in blocks(origin, data.shape, block, list(shape)):
         file = os.path.join(folder, chunk_name(index))
         jobs.append((file, data, slices, block))
@@ -311,12 +302,26 @@ class _Array:
     return values
 
 
+def _patch(host: np.ndarray, origin: list[int], rows: np.ndarray, data):
+  """Writes flat rows `rows` (of `[N * V_shard]`) of a stack to `data` in
+  a device's piece `host` at `origin`, where the piece holds them."""
+  per_shard = host.shape[1]
+  shard, row = rows // per_shard, rows % per_shard
+  # The global array's rows per shard are the piece's unless the read
+  # splits the rows (a relayout read, which is never patched).
+  shard, row = shard - origin[0], row - origin[1]
+  held = (shard >= 0) & (shard < host.shape[0]) & (row >= 0)
+  held &= row < host.shape[1]
+  host[shard[held], row[held]] = np.asarray(data)[held]
+
+
 def read(
   path: str,
   stored: Mapping[str, Any],
   key: str,
   args: ocp.ArrayRestoreArgs,
   max_host_bytes: int | None,
+  patch: tuple[np.ndarray, Any] | None = None,
 ) -> jax.Array:
   """Reads stored array `key` of checkpoint `path` onto `args.sharding`.
 
@@ -324,7 +329,10 @@ def read(
   is a contiguous part of one piece is read straight into it), then put on
   its device (a CPU device takes the buffer without a copy).
   `args.global_shape` may exceed the stored shape (a read for a relayout):
-  the rest reads as zeros. Values are cast to `args.dtype`.
+  the rest reads as zeros. Values are cast to `args.dtype`. `patch`:
+  flat rows of the stack (`[N * V_shard]`, the stored layout) and their
+  values (a delta chain's), written over the rows read, on the host, before
+  the pieces go to their devices.
 
   Raises:
     FileNotFoundError: If a file of the array is missing.
@@ -383,6 +391,11 @@ def read(
   chunk = int(np.prod(array.block)) * array.dtype.itemsize
   for _ in _ordered(jobs, run, _window(max_host_bytes, chunk)):
     pass
+  if patch is not None:
+    if shape != array.shape:
+      raise ValueError(f"{key}: a relayout read cannot be patched")
+    for device, host in hosts.items():
+      _patch(host, origins[device], *patch)
   return jax.make_array_from_single_device_arrays(
     shape,
     sharding,
@@ -395,9 +408,10 @@ def read_all(
   stored: Mapping[str, Any],
   args: Mapping[str, ocp.ArrayRestoreArgs],
   max_host_bytes: int | None,
+  patches: Mapping[str, tuple[np.ndarray, Any]],
 ) -> dict[str, jax.Array]:
-  """`read` of every key of `args`."""
+  """`read` of every key of `args`, with its patch if `patches` has one."""
   return {
-    key: read(path, stored, key, arg, max_host_bytes)
+    key: read(path, stored, key, arg, max_host_bytes, patches.get(key))
     for key, arg in args.items()
   }

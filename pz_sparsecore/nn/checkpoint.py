@@ -564,10 +564,19 @@ def _restore(
   args = {k: a for k, a in reads.args.items() if k not in tables}
   arrays = arrays_of(path, stored, args) if args else {}
   tables = {k: a for k, a in reads.args.items() if k in tables}
-  arrays.update(read_all(path, stored, tables, max_host_bytes))
+  # A delta's rows of a stack read as stored are written as it is read,
+  # on the host (no second copy of the table); the others' on the devices.
+  updates = chain.updates(model)
+  patches = {}
+  for label, (_, rows, data) in list(updates.items()):
+    key = reads.stored_key(label)
+    if key in tables:
+      patches[key] = (rows, data)
+      del updates[label]
+  arrays.update(read_all(path, stored, tables, max_host_bytes, patches))
   op.sync("read", f"reading {path}")
   leaves = None if reads.trainer is None else reads.trainer_leaves(arrays)
-  values, leaves = chain.apply(model, reads.values(arrays), leaves)
+  values, leaves = chain.apply(model, reads.values(arrays), leaves, updates)
   if reads.trainer is None:
     return _assign(model, values)
   restored = restored_trainer(
