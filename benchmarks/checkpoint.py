@@ -313,6 +313,11 @@ def _delta_saves(args) -> None:
   out = {"seconds": {name: [] for name in names}, "bytes": {}}
 
   def save(name, **kwargs):
+    # Each save starts with the disk's queue empty (not timed): else a
+    # delta waits behind the previous full save's writes, which a training
+    # loop's steps between saves would have outlasted.
+    os.sync()
+    time.sleep(1.0)
     t0 = time.perf_counter()
     path = pzsc.save_checkpoint(
       args.dir, trainer, keep=None, max_host_bytes=args.max_host_bytes, **kwargs

@@ -168,10 +168,9 @@ def test_a_delta_is_as_large_as_its_touched_rows(tmp_path):
 
 
 def _flip_largest(checkpoint: str) -> str:
-  """64 bytes inverted in the middle of the largest data file."""
-  files = glob.glob(
-    os.path.join(checkpoint, "arrays", "ocdbt.process_*", "d", "*")
-  )
+  """64 bytes inverted in the middle of the largest chunk file (of the
+  stacks' rows, in the `tables` item)."""
+  files = glob.glob(os.path.join(checkpoint, "tables", "*", "[0-9]*"))
   path = max(files, key=os.path.getsize)
   with open(path, "r+b") as f:
     f.seek(os.path.getsize(path) // 2)

@@ -17,6 +17,7 @@ import sys
 import zlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorstore as ts
@@ -288,3 +289,20 @@ def test_damage_is_found_in_a_cast_table(tmp_path):
   message = str(raised.value)
   assert "table 't'" in message and file in message, message
   assert "checksum mismatch" in message, message
+
+
+def test_chunks_of_the_tables_item_are_not_cut_to_divisors():
+  """orbax's chunks divide the written shape: a delta of a prime number of
+  touched rows (999,983) would be stored row by row, a chunk file each.
+  The `tables` item cuts rows to fit 32 MiB and pads the last chunk; a
+  sharded stack's chunks stay inside its devices' pieces."""
+  from pz_sparsecore.nn._ckpt_integrity import block_shape
+
+  rows = np.zeros((999_983, 64), jnp.bfloat16)
+  chunk = 32 * 2**20
+  assert block_shape(rows, chunk) == [1, 64]  # orbax's choice.
+  assert block_shape(rows, chunk, edges=True) == [262_144, 64]
+  embed = checkpoint_writer.build(jax.random.key(0), devices=2)
+  (table,) = table_arrays(embed).values()
+  assert block_shape(table, 1024, edges=True) == [1, 16, DIM]
+  assert block_shape(table, 2**30, edges=True) == [1, *table.shape[1:]]

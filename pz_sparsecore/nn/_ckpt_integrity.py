@@ -171,17 +171,44 @@ def host_piece(data: Any) -> Any:
   return np.asarray(data)
 
 
-def block_shape(value: Any, chunk_bytes: int) -> list[int]:
-  """The chunk shape orbax stores an array in (and `_ckpt_tables`): its
-  write shape (a device's shard) split to at most `chunk_bytes`."""
+def block_shape(value: Any, chunk_bytes: int, edges: bool = False) -> list[int]:
+  """The chunk shape an array is stored in: its write shape (a device's
+  shard) split to at most `chunk_bytes` (one item at least).
+
+  orbax's arrays (`edges` False): orbax's choice, whose chunks divide the
+  write shape (a piece of a prime number of rows is stored row by row).
+  The `tables` item's (`edges` True): the last axes whole as far as they
+  fit, the next one cut to fit (an edge chunk at its end, zarr pads it),
+  the first axes one item; a cut of the first axis divides the write shape
+  (pieces are split along it).
+  """
   shape, dtype = tuple(np.shape(value)), np.dtype(value.dtype)
   write = shape
   if isinstance(value, jax.Array):
     write = value.sharding.shard_shape(shape)
-  return list(subchunking.choose_chunk_shape(shape, write, dtype, chunk_bytes))
+  if not edges:
+    return list(
+      subchunking.choose_chunk_shape(shape, write, dtype, chunk_bytes)
+    )
+  block, size = list(write), dtype.itemsize
+  for axis in reversed(range(len(write))):
+    if size * write[axis] <= chunk_bytes:
+      size *= write[axis]
+      continue
+    fit = max(1, chunk_bytes // size)
+    if axis == 0 and len(write) > 1 and write != shape:
+      fit = max(d for d in range(1, fit + 1) if write[0] % d == 0)
+    block[axis] = fit
+    block[:axis] = [1] * axis
+    break
+  return [max(1, b) for b in block]
 
 
-def chunk_digests(arrays: Mapping[str, Any], chunk_bytes: int) -> Digests:
+def chunk_digests(
+  arrays: Mapping[str, Any],
+  chunk_bytes: int,
+  edges: frozenset[str] = frozenset(),
+) -> Digests:
   """CRC-32s of the blocks of the arrays this process writes.
 
   An array's blocks are the chunks orbax stores it in (its write shape,
@@ -192,6 +219,7 @@ def chunk_digests(arrays: Mapping[str, Any], chunk_bytes: int) -> Digests:
   Args:
     arrays: Array key → value (a `jax.Array` or a host array), as saved.
     chunk_bytes: orbax's `chunk_byte_size`.
+    edges: The keys stored in the `tables` item (`block_shape`'s `edges`).
 
   Returns:
     This process's part; `merged` joins every process's.
@@ -199,7 +227,7 @@ def chunk_digests(arrays: Mapping[str, Any], chunk_bytes: int) -> Digests:
   out, jobs = {}, []
   for key, value in arrays.items():
     shape, dtype = tuple(np.shape(value)), np.dtype(value.dtype)
-    block = block_shape(value, chunk_bytes)
+    block = block_shape(value, chunk_bytes, key in edges)
     crcs = {}
     out[key] = {
       "shape": list(shape),

@@ -69,13 +69,14 @@ _THREADS = max(2, os.cpu_count() or 1)
 
 
 def stored_keys(manifest: Mapping[str, Any]) -> list[str]:
-  """The array keys of every stack's table and slots in a full checkpoint's
-  manifest (a delta's stacks hold rows and stay in `arrays`)."""
+  """The array keys of every stack's table and slots in a manifest (of a
+  delta: their touched rows, and the rows' addresses)."""
   out = []
   for stacks in manifest["embeds"].values():
     for entry in stacks.values():
-      if ROWS not in entry:
-        out.extend(entry["arrays"].values())
+      out.extend(entry["arrays"].values())
+      if ROWS in entry:
+        out.append(entry[ROWS])
   return out
 
 
@@ -157,7 +158,7 @@ def write(
     folder = os.path.join(directory, key)
     os.makedirs(folder, exist_ok=True)
     shape, dtype = tuple(np.shape(value)), np.dtype(value.dtype)
-    block = block_shape(value, chunk_bytes)
+    block = block_shape(value, chunk_bytes, edges=True)
     largest = max(largest, int(np.prod(block)) * dtype.itemsize)
     if jax.process_index() == 0:
       _metadata(folder, shape, dtype, block)
@@ -323,7 +324,8 @@ def read(
   max_host_bytes: int | None,
   patch: tuple[np.ndarray, Any] | None = None,
 ) -> jax.Array:
-  """Reads stored array `key` of checkpoint `path` onto `args.sharding`.
+  """Reads stored array `key` of checkpoint `path` onto `args.sharding`
+  (or, for `args` without one, to the host: a numpy array).
 
   Each device's piece is filled on the host, chunk by chunk (a chunk that
   is a contiguous part of one piece is read straight into it), then put on
@@ -339,9 +341,14 @@ def read(
     ValueError: If one is short or damaged (checksum mismatch).
   """
   array = _Array(path, key, stored)
-  shape, sharding = tuple(args.global_shape), args.sharding
-  dtype = np.dtype(args.dtype or array.dtype)
-  regions = sharding.addressable_devices_indices_map(shape)
+  sharding = getattr(args, "sharding", None)
+  if sharding is None:  # To the host, whole.
+    shape, dtype = array.shape, array.dtype
+    regions = {None: tuple(slice(0, n) for n in shape)}
+  else:
+    shape = tuple(args.global_shape)
+    dtype = np.dtype(args.dtype or array.dtype)
+    regions = sharding.addressable_devices_indices_map(shape)
   hosts, origins, wanted = {}, {}, {}
   for device, index in regions.items():
     bounds = [s.indices(n)[:2] for s, n in zip(index, shape, strict=True)]
@@ -396,6 +403,8 @@ def read(
       raise ValueError(f"{key}: a relayout read cannot be patched")
     for device, host in hosts.items():
       _patch(host, origins[device], *patch)
+  if sharding is None:
+    return hosts[None]
   return jax.make_array_from_single_device_arrays(
     shape,
     sharding,

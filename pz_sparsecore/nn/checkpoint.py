@@ -243,7 +243,7 @@ def _check_cap(
   for key, value in description.values.items():
     shape = np.shape(value)
     if key in tables:
-      shape = block_shape(value, _CHUNK_BYTES)
+      shape = block_shape(value, _CHUNK_BYTES, edges=True)
     elif isinstance(value, jax.Array):
       shape = value.sharding.shard_shape(value.shape)
     size = math.prod(shape) * np.dtype(value.dtype).itemsize
@@ -368,7 +368,7 @@ def _save(
     op.sync(
       "digests",
       "hashing the arrays",
-      chunk_digests({**arrays, **stacks}, _CHUNK_BYTES),
+      chunk_digests({**arrays, **stacks}, _CHUNK_BYTES, frozenset(stacks)),
     )
   )
   options = ocp.CheckpointManagerOptions(
@@ -526,23 +526,38 @@ def _restore(
       path,
     )
 
-  def arrays_of(path: str, stored: Mapping[str, Any], args: dict) -> Any:
-    return read_arrays(
-      lambda: checkpointer.restore(
+  def arrays_of(
+    path: str,
+    stored: Mapping[str, Any],
+    args: dict,
+    patches: Mapping[str, Any] | None = None,
+  ) -> dict[str, Any]:
+    """The arrays of `args` from checkpoint `path`: those of its `tables`
+    item a chunk at a time (`patches`: rows written over them, by key),
+    the others with orbax."""
+    tables = set(stored.get(_TABLES, ()))
+    rest = {k: a for k, a in args.items() if k not in tables}
+    arrays = {}
+    if rest:
+      arrays = read_arrays(
+        lambda: checkpointer.restore(
+          path,
+          args=ocp.args.Composite(
+            **{
+              _ARRAYS: ocp.args.PyTreeRestore(
+                item=dict.fromkeys(rest, 0),
+                restore_args=rest,
+                partial_restore=True,
+              )
+            }
+          ),
+        )[_ARRAYS],
         path,
-        args=ocp.args.Composite(
-          **{
-            _ARRAYS: ocp.args.PyTreeRestore(
-              item=dict.fromkeys(args, 0),
-              restore_args=args,
-              partial_restore=True,
-            )
-          }
-        ),
-      )[_ARRAYS],
-      path,
-      stored,
-    )
+        stored,
+      )
+    tables = {k: a for k, a in args.items() if k in tables}
+    arrays.update(read_all(path, stored, tables, max_host_bytes, patches or {}))
+    return arrays
 
   # A delta's chain: its full checkpoint is read as any, its deltas after.
   chain = Chain.follow(directory, path, manifest_of(path), manifest_of)
@@ -560,12 +575,9 @@ def _restore(
     raise ValueError(f"{path}: {e}") from None
   chain.read(arrays_of, description, cast_tables)
   reads = Reads.plan(stored, description, model)
-  tables = set(stored.get(_TABLES, ()))
-  args = {k: a for k, a in reads.args.items() if k not in tables}
-  arrays = arrays_of(path, stored, args) if args else {}
-  tables = {k: a for k, a in reads.args.items() if k in tables}
   # A delta's rows of a stack read as stored are written as it is read,
   # on the host (no second copy of the table); the others' on the devices.
+  tables = set(stored.get(_TABLES, ()))
   updates = chain.updates(model)
   patches = {}
   for label, (_, rows, data) in list(updates.items()):
@@ -573,7 +585,7 @@ def _restore(
     if key in tables:
       patches[key] = (rows, data)
       del updates[label]
-  arrays.update(read_all(path, stored, tables, max_host_bytes, patches))
+  arrays = arrays_of(path, stored, reads.args, patches)
   op.sync("read", f"reading {path}")
   leaves = None if reads.trainer is None else reads.trainer_leaves(arrays)
   values, leaves = chain.apply(model, reads.values(arrays), leaves, updates)
