@@ -1,14 +1,17 @@
 """Stacked tables and slots, written and read a chunk at a time.
 
-A full checkpoint stores every stack's table and slots (the largest arrays
-by far: a 100M x 64 bfloat16 table is 11.9 GiB) in an orbax item of their
-own, `tables`, as uncompressed zarr v2 arrays on the file system: one
-folder per array key (`tables/a0/`), its `.zarray` metadata (written by
-TensorStore, so any zarr v2 reader that knows the dtype opens it) and one
-file per chunk (`tables/a0/3.0.0`), the chunks those of the manifest's
-digests (`_ckpt_integrity.block_shape`: a device's shard, split to at most
-32 MiB). The manifest lists the keys stored there (`"tables"`);
-checkpoints without that field hold everything in the `arrays` item.
+A checkpoint stores every stack's table and slots (the largest arrays by
+far: a 100M x 64 bfloat16 table is 11.9 GiB; of a delta, their touched
+rows and the rows' addresses) in an orbax item of their own, `tables`, as
+uncompressed zarr v2 arrays on the file system: one folder per array key
+(`tables/a0/`), its `.zarray` metadata (written by TensorStore, so any zarr
+v2 reader that knows the dtype opens it) and one file per chunk
+(`tables/a0/3.0.0`), the chunks those of the manifest's digests
+(`_ckpt_integrity.block_shape` with `edges`: a device's shard cut to at
+most 32 MiB, the last chunk of a cut axis padded; orbax's own chunks must
+divide the shard, so a prime number of rows is stored row by row). The
+manifest lists the keys stored there (`"tables"`); checkpoints without
+that field hold everything in the `arrays` item.
 
 Why not orbax's own arrays. orbax copies a device's whole shard to the
 host and hands it to TensorStore, which holds its own copy of the chunks

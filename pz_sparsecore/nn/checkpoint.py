@@ -10,10 +10,11 @@ Format. Checkpoints are written with orbax-checkpoint. `directory` holds one
 sub-directory per save, named by its training step (`_ckpt_steps.py` says
 how a step is chosen, which folders count and what `keep` deletes); each
 holds up to three orbax items: `tables`, every stack's table and slots as
-the devices hold them (`[N, V_shard, D]`, MOD-sharded), as zarr v2 arrays
-written and read a chunk at a time (`_ckpt_tables.py`); `arrays`, the other
-arrays (dense variables by label, a trainer's state leaf by leaf, a delta's
-rows), a flat dict in orbax's OCDBT/TensorStore format; and `manifest`
+the devices hold them (`[N, V_shard, D]`, MOD-sharded; a delta's: the
+touched rows and their addresses), as zarr v2 arrays written and read a
+chunk at a time (`_ckpt_tables.py`); `arrays`, the other arrays (dense
+variables by label, a trainer's state leaf by leaf), a flat dict in orbax's
+OCDBT/TensorStore format; and `manifest`
 (JSON, described in `_ckpt_manifest.py`), which says what every array is,
 holds each stack's layout and the CRC-32 of every stored chunk, checked on
 every restore before anything is assigned (`_ckpt_integrity.py`).
