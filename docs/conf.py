@@ -4,7 +4,9 @@ Build with `make docs` (`sphinx-build -W --keep-going -b html docs
 docs/_build/html`): warnings are errors. Notebooks are rendered from
 `notebooks/` (linked as `docs/notebooks`), executed at build time so that
 their outputs (Treescope figures included) are on the pages: a cell error
-fails the build. Executed notebooks are cached under
+fails the build. So are the `code-cell` blocks of `concepts.md` (a MyST
+text notebook; its plain `python` blocks are not run here but by
+tests/test_readme.py). Executed notebooks are cached under
 `docs/_build/.jupyter_cache` and run again only when their code changes;
 `PZSC_DOCS_EXECUTE=force` runs them all (`off`: none).
 """

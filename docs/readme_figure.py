@@ -6,7 +6,12 @@ Usage: python docs/readme_figure.py REPORT_DIR OUT_PNG
 REPORT_DIR is a report written by `python -m pz_sparsecore shakespeare
 --report REPORT_DIR`. Its shard map (`shards.html`) and its heat map of ids
 per partition (`stats.html`) are opened in headless Chromium, drawn, cut to
-their figures and stacked, one above the other, into OUT_PNG.
+their figures and stacked, one above the other, into OUT_PNG. Beside it goes
+the report's `shards.json` (OUT_PNG with the suffix `.json`): what the shard
+map draws, as `viz.shard_map_data` computed it, with the run's configuration.
+`tests/test_viz.py` draws the shard map again from that configuration with
+the current code and compares: a change to the drawing code fails it until
+the picture is drawn again.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import base64
 import io
 import pathlib
+import shutil
 import sys
 import tempfile
 
@@ -71,6 +77,7 @@ def main() -> None:
     top += part.height + gap
   out.parent.mkdir(parents=True, exist_ok=True)
   picture.save(out, optimize=True)
+  shutil.copyfile(report / "shards.json", out.with_suffix(".json"))
   print(f"{out}: {width} x {height}")
 
 

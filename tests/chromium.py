@@ -6,13 +6,17 @@ headless browser and yields a function sending DevTools protocol commands;
 `wait_for(call, expression)` polls one until it is true. `DRAWN` is true once
 every Treescope output on a page has drawn; `DRAW_ALL` scrolls each output
 and each of its visible arrays into view (Treescope draws only what is on
-screen), waits for it, and says what did not draw.
+screen), waits for it, and says what did not draw. `digit_colors()` are
+the colours Treescope draws digits (and so devices) in.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
+import pathlib
+import re
 import shutil
 import subprocess
 import time
@@ -90,6 +94,19 @@ DRAW_ALL = """(async () => {
   window.scrollTo(0, 0);
   return {outputs: hosts.length, undrawn};
 })()"""
+
+
+def digit_colors() -> tuple[str, ...]:
+  """Treescope's colour of each decimal digit 0-9 as `#rrggbb`, read from
+  its arrayviz.js (`digitColorPrimary`). The digitbox of a one-digit value
+  is one square of its digit's colour: Treescope's sharding view draws
+  device d (the value d + 1) as `digit_colors()[d + 1]`, 0 as white."""
+  package = importlib.util.find_spec("treescope").origin
+  script = pathlib.Path(package).parent / "_internal" / "js" / "arrayviz.js"
+  body = re.search(
+    r"const digitColorPrimary = \[(.*?)\];", script.read_text(), re.S
+  ).group(1)
+  return tuple(re.findall(r"'(#[0-9a-f]{6})'", body))
 
 
 def find() -> str | None:

@@ -3,11 +3,16 @@ errors) executing every notebook, then each notebook page in headless
 Chromium.
 
 The build runs every notebook top to bottom (a cell error fails it) in a
-kernel of this interpreter, and renders the outputs on the pages. Each
-notebook page must then show every Treescope figure drawn, with no
-JavaScript error in the console, and fit a 1280-px window without
-scrolling sideways; each notebook must have run in under 2 minutes (the
-execution table on the notebooks page).
+kernel of this interpreter, and renders the outputs on the pages; so too
+the code cells of `concepts.md` (a text notebook). Each such page must then
+show every Treescope figure drawn, with no JavaScript error in the console,
+and fit a 1280-px window without scrolling sideways; each must have run in
+under 2 minutes (the execution table on the notebooks page). Each must
+also show, without a click, at least one placement picture
+(`viz.placement`): a table's ids in vocabulary order coloured by the
+device holding each, whose colours are those the rule written above it
+gives (id i on device `((i % N + rotation) % N) // S`, padding white) and
+whose devices the legend beside it names.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import subprocess
 import sys
 
 import chromium
+import numpy as np
 import pytest
 
 pytest.importorskip("sphinx")
@@ -28,6 +34,115 @@ pytest.importorskip("furo")
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 NOTEBOOKS = sorted(p.stem for p in (DOCS / "notebooks").glob("*.ipynb"))
+# The pages whose code the build runs: the notebooks, and concepts.md.
+EXECUTED = sorted([*(f"notebooks/{name}" for name in NOTEBOOKS), "concepts"])
+
+# Every placement picture an output shows without a click: each visible
+# array whose column axis reads "id % W", with the table heading and the
+# id -> device rule shown between it and the picture before it in its
+# output (null if none), its row axis label and the colour at the centre of
+# each of its cells (a cell of `size` px at ((col + 1) * size, (row + 1) *
+# size) of the canvas); and the visible text of each output holding one
+# (its legend).
+PLACEMENTS = r"""(() => {
+  const shown = (node) => node.parentElement.checkVisibility();
+  const pictures = [], texts = {};
+  const hosts = [...document.querySelectorAll("treescope-container")];
+  for (const [output, host] of hosts.entries()) {
+    const walker = document.createTreeWalker(
+      host.shadowRoot, NodeFilter.SHOW_ELEMENT | NodeFilter.SHOW_TEXT);
+    let heading = null, rule = null;
+    const text = [];
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+      if (node.nodeType === Node.TEXT_NODE) {
+        if (!shown(node)) continue;
+        const line = node.textContent;
+        text.push(line);
+        if (line.includes("' in stack '")) heading = line;
+        if (line.includes("id i -> shard (")) rule = line;
+        continue;
+      }
+      if (!node.classList.contains("arrayviz_container")) continue;
+      const labels = [...node.querySelectorAll("div")].map(
+        (div) => div.textContent);
+      const columns = labels.find((label) => /^id % \d+$/.test(label));
+      if (!columns || !node.checkVisibility()) continue;
+      const canvas = node.querySelector("canvas");
+      const picture = {
+        output, heading, rule, columns,
+        colors: null,
+      };
+      pictures.push(picture);
+      texts[output] = text;
+      heading = rule = null;  // Each picture has its own.
+      if (!canvas) continue;
+      const width = Number(columns.split("% ")[1]);
+      const size = canvas.width / (width + 2);
+      const context = canvas.getContext("2d");
+      picture.colors = [];
+      for (let r = 0; r < canvas.height / size - 2; r++) {
+        const line = [];
+        for (let c = 0; c < width; c++) {
+          const [red, green, blue] = context.getImageData(
+            Math.floor((c + 1.5) * size), Math.floor((r + 1.5) * size), 1, 1
+          ).data;
+          line.push("#" + [red, green, blue].map(
+            (x) => x.toString(16).padStart(2, "0")).join(""));
+        }
+        picture.colors.push(line);
+      }
+    }
+  }
+  for (const output in texts) texts[output] = texts[output].join("");
+  return {pictures, texts};
+})()"""
+
+_HEADING = re.compile(
+  r"table '(?P<table>[^']+)' in stack '[^']+': (?P<ids>\d+) ids"
+  r"(?: and (?P<padding>\d+) padding)?"
+)
+_RULE = re.compile(
+  r"id i -> shard \(i % (?P<n>\d+) \+ (?P<rotation>\d+)\) % \d+ -> "
+  r"device shard // (?P<s>\d+)"
+)
+
+
+def _check_placement(page: str, picture: dict, text: str) -> None:
+  """A placement picture as drawn says what its heading and rule say.
+
+  The pages build their meshes from `jax.devices()` in order, so the
+  device at position `shard // S` is CPU `shard // S`.
+  """
+  where = f"{page}, output {picture['output']}"
+  assert picture["colors"], f"{where}: placement picture not drawn"
+  heading = _HEADING.search(picture["heading"] or "")
+  rule = _RULE.search(picture["rule"] or "")
+  assert heading and rule, f"{where}: no heading or rule shown {picture}"
+  ids = int(heading["ids"])
+  padded = ids + int(heading["padding"] or 0)
+  n, rotation, s = (int(rule[k]) for k in ("n", "rotation", "s"))
+  width = int(picture["columns"].split("% ")[1])
+  colors = np.array(picture["colors"])
+  total = -(-padded // width)
+  if len(colors) < total:  # The first and last rows, a row for the rest.
+    shown = len(colors) - 1
+    rows = [*range(shown // 2), -1, *range(total - shown + shown // 2, total)]
+  else:
+    rows = list(range(total))
+  assert colors.shape == (len(rows), width), (where, colors.shape, rows)
+  row_of = np.array(rows)[:, None]
+  i = row_of * width + np.arange(width)
+  device = ((i % n + rotation) % n) // s
+  digits = chromium.digit_colors()  # Device d: the digit d + 1's colour.
+  assert device.max() < len(digits) - 1, f"{where}: a two-digit device"
+  expected = np.array(digits)[device + 1]
+  expected[i >= ids] = digits[0]  # Padding: white.
+  drawn = (row_of >= 0) & (i < padded)  # Cells holding an id.
+  np.testing.assert_array_equal(
+    colors[drawn], expected[drawn], err_msg=f"{where}: {picture['heading']}"
+  )
+  for d in np.unique(device[drawn & (i < ids)]):
+    assert f"CPU {d}" in text, f"{where}: the legend lacks CPU {d}"
 
 
 def _kernelspec(root: pathlib.Path) -> pathlib.Path:
@@ -93,26 +208,26 @@ def test_docs_build(built):
 
 
 @pytest.mark.xdist_group("docs")
-def test_every_notebook_ran_in_under_two_minutes(built):
+def test_every_executed_page_ran_in_under_two_minutes(built):
   text = (built / "notebooks.html").read_text()
   table = text[text.index("Run Time (s)") :]
-  rows = re.findall(r'href="notebooks/([\w]+)\.html".*?</tr>', table, re.S)
-  assert sorted(rows) == NOTEBOOKS
-  for name, row in zip(
-    rows, re.findall(r"<tr class.*?</tr>", table, re.S), strict=True
-  ):
-    cells = re.findall(r"<td><p>(.*?)</p></td>", row)
+  rows = {}
+  for row in re.findall(r"<tr class.*?</tr>", table, re.S):
+    name = re.search(r'href="([\w/]+)\.html"', row).group(1)
+    rows[name] = re.findall(r"<td><p>(.*?)</p></td>", row)
+  assert sorted(rows) == EXECUTED
+  for name, cells in rows.items():
     assert cells[-1] == "✅", (name, cells)
     assert float(cells[-2]) < 120, (name, cells)
 
 
 @pytest.mark.xdist_group("docs")
-@pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_page_shows_its_figures(built, name, tmp_path):
+@pytest.mark.parametrize("name", EXECUTED)
+def test_executed_page_shows_its_figures(built, name, tmp_path):
   browser = chromium.find()
   if browser is None:
     pytest.skip("chromium is not installed")
-  page = built / "notebooks" / f"{name}.html"
+  page = built / f"{name}.html"
   html = page.read_text()
   assert "cell_output" in html, f"{name}: no outputs on the page"
   with chromium.devtools(browser, tmp_path / "profile", 1280, 900) as call:
@@ -147,6 +262,11 @@ def test_notebook_page_shows_its_figures(built, name, tmp_path):
     text = chromium.evaluate(call, "document.body.innerText")
     assert "Rendering array" not in text
     assert "Traceback" not in text
+    # Which device holds an id, read off a picture without a click.
+    shown = chromium.evaluate(call, PLACEMENTS)
+    assert shown["pictures"], f"{name}: no placement picture shown"
+    for picture in shown["pictures"]:
+      _check_placement(name, picture, shown["texts"][str(picture["output"])])
     assert chromium.console_errors(call) == []
 
 

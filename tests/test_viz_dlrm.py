@@ -17,8 +17,6 @@ rotation r lives on shard `(i % N + r) % N`, at row `start + i // N`.
 
 from __future__ import annotations
 
-import base64
-import json
 import pathlib
 import re
 import sys
@@ -26,9 +24,13 @@ import sys
 import jax
 import numpy as np
 import pytest
+from treescope_arrays import drawn_arrays as _drawn_arrays
+from treescope_arrays import lookup_tables as _lookup_tables
+from treescope_arrays import values as _values
 
 from pz_sparsecore.nn import SparseCoreEmbed
 from pz_sparsecore.viz import figures as viz
+from pz_sparsecore.viz.palette import DEVICE_COLORS
 
 # The layer of the DLRM benchmark, built from its own specs.
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
@@ -52,33 +54,6 @@ def stack(dlrm_embed):
   (stack,) = dlrm_embed.config.plan.stacks
   assert len(stack.tables) == len(dlrm.VOCABS)
   return stack
-
-
-def _drawn_arrays(html: str) -> list[dict]:
-  """The JSON of each array Treescope draws in `html`."""
-  found = re.findall(
-    r'<script type="application/json">(\{"info".*?)</script>', html, re.S
-  )
-  return [json.loads(text) for text in found]
-
-
-def _values(array: dict) -> np.ndarray:
-  """An array's values, `[*y axes, *x axes]` (each list outermost first)."""
-  flat = np.frombuffer(
-    base64.b64decode(array["arrayBase64"]), array["arrayDtype"]
-  )
-  axes = [*array["yAxisSpecs"][::-1], *array["xAxisSpecs"][::-1]]
-  shape = [a["end"] - a["start"] for a in axes]
-  strides = [array["dataStrides"][a["name"]] * flat.itemsize for a in axes]
-  return np.lib.stride_tricks.as_strided(flat, shape, strides)
-
-
-def _lookup_tables(array: dict, kind: str) -> list:
-  return [
-    step["lookup_table"]
-    for step in array["valueFormattingInstructions"]
-    if step["type"] == kind
-  ]
 
 
 def _legend_colors(html: str) -> dict[str, tuple[int, ...]]:
@@ -138,31 +113,43 @@ def test_shard_map_tells_every_table_apart(dlrm_embed, stack):
   html = viz.to_html(viz.shard_map_figure(dlrm_embed))
   assert len(html) < MAX_HTML_BYTES
   (image,) = _drawn_arrays(html)
-  values = _values(image).reshape(NUM_DEVICES, -1)  # [device x SC, cell]
+  # [device, SparseCore, bar, cell]: one bar per shard (8 x 1), each its
+  # device's cell, a blank, then the shard's cells.
+  cells = _values(image)
+  assert cells.shape[:3] == (NUM_DEVICES, 1, 1)
+  cells = cells.reshape(NUM_DEVICES, -1)
+  devices, values = cells[:, 0], cells[:, 2:]
   padding = len(stack.tables)
 
   # Colours: one per table, all different, padding grey; the legend's
-  # swatches are the image's colours, and hovering names the table.
+  # swatches are the image's colours, and hovering a cell names its table
+  # and the ids it holds.
   colormap = [tuple(c) for c in image["colormapConfig"]["cmapData"]]
-  assert len(set(colormap)) == len(colormap) == padding + 1
-  assert len(set(colormap[padding])) == 1  # r = g = b: grey.
+  (labels,) = _lookup_tables(image, "value_lookup")
   legend = _legend_colors(html)
-  assert legend == {
-    **{t.name: colormap[k] for k, t in enumerate(stack.tables)},
-    "padding": colormap[padding],
-  }
+  palette = [*(legend[t.name] for t in stack.tables), legend["padding"]]
+  assert len(set(palette)) == padding + 1
+  assert len(set(palette[padding])) == 1  # r = g = b: grey.
   assert "past its vocabulary, and rows of a shard past its tables" in html
-  (names,) = _lookup_tables(image, "value_lookup")
-  assert names == {
-    **{str(k): t.name for k, t in enumerate(stack.tables)},
-    str(padding): "padding",
-  }
+  shown = np.vectorize(lambda v: palette.index(colormap[v]))(values)
+  for v, k in zip(values.ravel(), shown.ravel(), strict=True):
+    name = stack.tables[k].name if k < padding else "padding"
+    assert labels[str(v)].startswith(name), (labels[str(v)], name)
+
+  # The device cells: device d in Treescope's colour for it (digit d + 1).
+  assert [colormap[v] for v in devices] == list(DEVICE_COLORS)[:NUM_DEVICES]
+  assert [labels[str(v)] for v in devices] == [
+    f"CPU {d}" for d in range(NUM_DEVICES)
+  ]
 
   # Bands: at most MAX_COLUMNS cells, covering the shard's rows in order.
   assert values.shape[1] <= viz.MAX_COLUMNS
-  (bands,) = _lookup_tables(image, "axis_lookup")
+  (axis,) = [
+    t for t in _lookup_tables(image, "axis_lookup") if t[0] == "device"
+  ]
   edges = np.array(
-    [re.fullmatch(r"rows \[(\d+), (\d+)\)", b).groups() for b in bands], int
+    [re.fullmatch(r"rows \[(\d+), (\d+)\)", b).groups() for b in axis[2:]],
+    int,
   )
   starts, ends = edges[:, 0], edges[:, 1]
   assert starts[0] == 0 and ends[-1] == stack.rows_per_shard
@@ -173,7 +160,7 @@ def test_shard_map_tells_every_table_apart(dlrm_embed, stack):
   # rows of each of 8 shards).
   expected = _reference_cell(stack, starts, ends, NUM_DEVICES)
   np.testing.assert_array_equal(
-    values, np.where(expected < 0, padding, expected)
+    shown, np.where(expected < 0, padding, expected)
   )
-  for shard in values:
+  for shard in shown:
     assert set(shard) == set(range(padding + 1))

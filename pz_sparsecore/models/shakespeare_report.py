@@ -9,15 +9,19 @@
   and the unigram baseline (matplotlib);
 * `shards.html`: which rows of which table live on which device / SparseCore;
 * `stats.html`: the last batch's per-partition id counts against the limits;
-* `model.html`: the trained model as Treescope renders it.
+* `model.html`: the trained model as Treescope renders it;
+* `shards.json`: what the shard map draws (`viz.shard_map_data`), with the
+  run's configuration and vocabulary size, which determine it.
 
-The last three are each one figure of `index.html` as a page of its own.
+`shards.html`, `stats.html` and `model.html` are each one figure of
+`index.html` as a page of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import html
+import json
 import os
 from typing import Any
 
@@ -149,6 +153,24 @@ def _loss_plot(path: str, result: Any) -> None:
   plt.close(fig)
 
 
+def _write_shard_map_data(directory: str, result: Any) -> None:
+  """`shards.json`: the shard map's data and what it depends on (the run's
+  configuration, the table's vocabulary), so that the same picture can be
+  drawn again from them and compared (`docs/readme_figure.py`)."""
+  from pz_sparsecore import viz
+  from pz_sparsecore.models.shakespeare import TABLE
+
+  embed = result.model.embed
+  data = {
+    "config": dataclasses.asdict(result.config),
+    "vocab_size": embed.config.plan.tables[TABLE].vocabulary_size,
+    "shard_map": viz.shard_map_data(embed),
+  }
+  with open(os.path.join(directory, "shards.json"), "w") as f:
+    json.dump(data, f, indent=1)
+    f.write("\n")
+
+
 def write_report(directory: str | os.PathLike, result: Any) -> str:
   """Writes the report of a `shakespeare.run` result.
 
@@ -179,6 +201,7 @@ def write_report(directory: str | os.PathLike, result: Any) -> str:
           figure=figure,
         )
       )
+  _write_shard_map_data(directory, result)
 
   h, b = result.heldout, result.baseline
   steady = sorted(result.step_times[1:]) or result.step_times

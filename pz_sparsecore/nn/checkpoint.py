@@ -494,6 +494,63 @@ def restore_checkpoint(
     )
 
 
+class _Reader:
+  """Reads checkpoints' manifests and arrays for a restore."""
+
+  def __init__(self, max_host_bytes: int | None):
+    self._max_host_bytes = max_host_bytes
+    self._checkpointer = ocp.Checkpointer(
+      ocp.CompositeCheckpointHandler(**_handlers(max_host_bytes)),
+      # No barrier in orbax: the sync point after the reads is the barrier.
+      multiprocessing_options=local_only(),
+    )
+
+  def manifest(self, path: str) -> dict[str, Any]:
+    """The verified manifest of checkpoint `path`."""
+    return read_manifest(
+      lambda: self._checkpointer.restore(
+        path, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()})
+      )[_MANIFEST],
+      path,
+    )
+
+  def arrays(
+    self,
+    path: str,
+    stored: Mapping[str, Any],
+    args: dict,
+    patches: Mapping[str, Any] | None = None,
+  ) -> dict[str, Any]:
+    """The arrays of `args` from checkpoint `path`: those of its `tables`
+    item a chunk at a time (`patches`: rows written over them, by key),
+    the others with orbax; a missing or damaged file raises."""
+    tables = set(stored.get(_TABLES, ()))
+    rest = {k: a for k, a in args.items() if k not in tables}
+    arrays = {}
+    if rest:
+      arrays = read_arrays(
+        lambda: self._checkpointer.restore(
+          path,
+          args=ocp.args.Composite(
+            **{
+              _ARRAYS: ocp.args.PyTreeRestore(
+                item=dict.fromkeys(rest, 0),
+                restore_args=rest,
+                partial_restore=True,
+              )
+            }
+          ),
+        )[_ARRAYS],
+        path,
+        stored,
+      )
+    tables = {k: a for k, a in args.items() if k in tables}
+    arrays.update(
+      read_all(path, stored, tables, self._max_host_bytes, patches or {})
+    )
+    return arrays
+
+
 def _restore(
   op: Operation,
   directory: str | os.PathLike,
@@ -513,52 +570,8 @@ def _restore(
   path, step = choose(directory, step)
   op.agree_step("step", f"the checkpoint to restore from {directory}", step)
   _LOG.info("restoring step %d from %s", step, path)
-  checkpointer = ocp.Checkpointer(
-    ocp.CompositeCheckpointHandler(**_handlers(max_host_bytes)),
-    # No barrier in orbax: the sync point after the reads is the barrier.
-    multiprocessing_options=local_only(),
-  )
-
-  def manifest_of(path: str) -> dict[str, Any]:
-    return read_manifest(
-      lambda: checkpointer.restore(
-        path, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()})
-      )[_MANIFEST],
-      path,
-    )
-
-  def arrays_of(
-    path: str,
-    stored: Mapping[str, Any],
-    args: dict,
-    patches: Mapping[str, Any] | None = None,
-  ) -> dict[str, Any]:
-    """The arrays of `args` from checkpoint `path`: those of its `tables`
-    item a chunk at a time (`patches`: rows written over them, by key),
-    the others with orbax."""
-    tables = set(stored.get(_TABLES, ()))
-    rest = {k: a for k, a in args.items() if k not in tables}
-    arrays = {}
-    if rest:
-      arrays = read_arrays(
-        lambda: checkpointer.restore(
-          path,
-          args=ocp.args.Composite(
-            **{
-              _ARRAYS: ocp.args.PyTreeRestore(
-                item=dict.fromkeys(rest, 0),
-                restore_args=rest,
-                partial_restore=True,
-              )
-            }
-          ),
-        )[_ARRAYS],
-        path,
-        stored,
-      )
-    tables = {k: a for k, a in args.items() if k in tables}
-    arrays.update(read_all(path, stored, tables, max_host_bytes, patches or {}))
-    return arrays
+  reader = _Reader(max_host_bytes)
+  manifest_of, arrays_of = reader.manifest, reader.arrays
 
   # A delta's chain: its full checkpoint is read as any, its deltas after.
   chain = Chain.follow(directory, path, manifest_of(path), manifest_of)

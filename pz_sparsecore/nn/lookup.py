@@ -287,7 +287,7 @@ def _make_lookup_config(
     stem,
     _feature_spec(table, topology.num_shards),
     topology,
-    ((_SAMPLE_AXIS,),),
+    (_SAMPLE_AXIS,),  # The sample axes of every feature (here one).
     TABLE_AXIS,
     {
       k: v

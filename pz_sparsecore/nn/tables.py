@@ -12,7 +12,11 @@ shape `[N, V_shard, 1]` (or `k`). Two other views of the same values exist:
 * The *logical* view (`logical_tables`, `logical_slots` and their setters):
   one `[vocab, dim]` numpy array per table, unstacked and unsharded, as a
   user sees it. Reading gathers the stack to the host;
-  writing changes only the rows of the tables given.
+  writing changes only the rows of the tables given. `logical_tables(embed,
+  named=True)` gives the tables as Penzai's `EmbeddingTable` holds its
+  value: a `NamedArray` `{"vocabulary": vocab, embedding_axis: dim}` (a
+  `SparseCoreLookup`'s: its own vocabulary and embedding axes,
+  `logical_axes`).
 
 Example: table `ta` (vocab 50, dim 8) alone in its stack on `N = 2` shards is
 padded to 64 rows, 32 per shard; MOD sharding puts id `i` on shard `i % 2`
@@ -40,6 +44,10 @@ if TYPE_CHECKING:
 
 SHARD_AXIS = "sc_shard"
 ROW_AXIS = "sc_row"
+VOCABULARY_AXIS = "vocabulary"
+"""The vocabulary axis of a `SparseCoreEmbed` table's logical view, as
+Penzai's `EmbeddingTable` names it by default (a `SparseCoreLookup` keeps
+its own, `LookupConfig.vocabulary_axis`)."""
 SLOT_AXIS = "sc_slot"
 """The last axis of a slot not shaped like the table (a row-wise slot's
 width 1, a custom slot's k): never the embedding axis, which a placement
@@ -148,20 +156,68 @@ def assign_arrays(
       )
 
 
-def logical_tables(embed: SparseCoreEmbed) -> dict[str, np.ndarray]:
-  """Table name → `[vocab, dim]` numpy array.
+def logical_axes(
+  config: EmbedConfig, table: str
+) -> tuple[str, tuple[tuple[str, int], ...]]:
+  """The axes of a table's logical view, as Penzai's `EmbeddingTable` has
+  them.
+
+  Args:
+    config: The layer's config.
+    table: The table's name.
+
+  Returns:
+    `(vocabulary axis, ((embedding axis, size), ...))`: for a
+    `SparseCoreLookup`, the axes of the `EmbeddingTable` it stands for
+    (`vocabulary_axis`, `embedding_axes`); for a `SparseCoreEmbed`,
+    `VOCABULARY_AXIS` and its embedding axis of the table's width.
+  """
+  vocabulary = getattr(config, "vocabulary_axis", None)
+  if vocabulary is not None:  # A `SparseCoreLookup`'s `LookupConfig`.
+    return vocabulary, config.embedding_axes
+  width = config.plan.tables[table].embedding_dim
+  return VOCABULARY_AXIS, ((config.embedding_axis, width),)
+
+
+def _named_logical(
+  config: EmbedConfig, table: str, value: np.ndarray
+) -> pz.nx.NamedArray:
+  """A logical `[vocab, dim]` table as a `NamedArray` on `logical_axes`."""
+  vocabulary, embedding = logical_axes(config, table)
+  sizes = [size for _, size in embedding]
+  return pz.nx.wrap(value.reshape(value.shape[0], *sizes)).tag(
+    vocabulary, *(name for name, _ in embedding)
+  )
+
+
+def logical_tables(
+  embed: SparseCoreEmbed, *, named: bool = False
+) -> dict[str, np.ndarray] | dict[str, pz.nx.NamedArray]:
+  """Table name → `[vocab, dim]` numpy array (or `NamedArray`).
 
   Args:
     embed: The layer (with several processes, every process calls this).
+    named: Return each table as Penzai's `EmbeddingTable` holds its value:
+      a `NamedArray` `{"vocabulary": vocab, embedding_axis: dim}` (for a
+      `SparseCoreLookup`, its vocabulary axis and embedding axes), holding
+      a copy of the numpy array on JAX's default device. The rows live
+      MOD-sharded on the layer's devices; `viz.vocabulary_view` reads some
+      of them there and says where.
 
   Returns:
     Every table of the layer, unstacked and unsharded.
   """
   plan = embed.config.plan
   stacked = {stack: to_host(v) for stack, v in table_arrays(embed).items()}
-  return layout.unshard_and_unstack_tables(
+  tables = layout.unshard_and_unstack_tables(
     plan.feature_specs, stacked, plan.num_shards
   )
+  if not named:
+    return tables
+  return {
+    name: _named_logical(embed.config, name, value)
+    for name, value in tables.items()
+  }
 
 
 def logical_slots(embed: SparseCoreEmbed) -> dict[str, dict[str, np.ndarray]]:

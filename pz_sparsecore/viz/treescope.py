@@ -12,6 +12,12 @@ layers (`roundtrippable=True`: the fields are the constructor's arguments),
 inside Treescope's `<...>` for plans, buffers and stats (not claimed to
 evaluate back).
 
+A layer's comments end with pictures of where its ids live
+(`viz.placement`): for each of its first tables, the ids in vocabulary
+order coloured by the device holding them, as Treescope's sharding view
+colours devices, with the id -> device rule and a legend, so that the
+default view (the root expanded once) answers which device holds an id.
+
 A `SparseCoreLookup` (one table, Penzai's `EmbeddingLookup`) has its own
 summary (`lookup_summary`: label, vocabulary and embedding axes, shards,
 optimizer) and one more comment, just above its physical `[N, V_shard, D]`
@@ -194,16 +200,39 @@ def dtype_text(dtype: Any) -> str:
   return "" if name == "float32" else f" {name}"
 
 
+def _unique_limit_text(stack: StackPlan) -> str:
+  """The stack's distinct-id limit, and why when it is the rows of a shard
+  below the id limit (`limits="auto"` bounds it so:
+  `layout.worst_case_limits`)."""
+  spec = stack.spec
+  unique = spec.max_unique_ids_per_partition
+  if unique == stack.rows_per_shard < spec.max_ids_per_partition:
+    return (
+      f"{unique} (= rows per shard: no partition receives more distinct ids)"
+    )
+  return str(unique)
+
+
+def _stack_line(plan: Plan, stack: StackPlan, sizes: str) -> str:
+  """`stack 'name': N shards x rows x dim, optimizer, combiner, ` + sizes."""
+  spec = stack.spec
+  return (
+    f"stack {stack.name!r}: {plan.num_shards} shards x "
+    f"{stack.rows_per_shard} rows x {stack.dim}{dtype_text(stack.dtype)}, "
+    f"{optimizer_summary(spec.optimizer)}, {spec.combiner}, {sizes}"
+  )
+
+
 def stack_details(plan: Plan, stack: StackPlan) -> list[str]:
   """Lines describing one stack: its spec, then one line per member table."""
   spec, n = stack.spec, plan.num_shards
   lines = [
-    f"stack {stack.name!r}: {n} shards x {stack.rows_per_shard} rows x "
-    f"{stack.dim}{dtype_text(stack.dtype)}, "
-    f"{optimizer_summary(spec.optimizer)}, {spec.combiner}, "
-    f"{spec.total_sample_count} samples, limits ids "
-    f"{spec.max_ids_per_partition} / unique "
-    f"{spec.max_unique_ids_per_partition}"
+    _stack_line(
+      plan,
+      stack,
+      f"{spec.total_sample_count} samples, limits ids "
+      f"{spec.max_ids_per_partition} / unique {_unique_limit_text(stack)}",
+    )
   ]
   for table in stack.tables:
     setting = table.setting_in_stack
@@ -227,8 +256,13 @@ def plan_details(plan: Plan) -> list[str]:
 
 def mapping_line(mapping: Any) -> str:
   """Which named axis of the layer lives on which mesh axes."""
+  return _mapping_text(mapping.names)
+
+
+def _mapping_text(names: Sequence[tuple[str, tuple[str, ...]]]) -> str:
+  """`mesh axes: a -> 'x'; b -> ('x', 'y'); c, d -> replicated`."""
   placed, replicated = [], []
-  for name, mesh_axes in mapping.names:
+  for name, mesh_axes in names:
     if not mesh_axes:
       replicated.append(name)
     else:
@@ -239,10 +273,55 @@ def mapping_line(mapping: Any) -> str:
   return "mesh axes: " + "; ".join(placed)
 
 
+def lookup_details(lookup: Any) -> list[str]:
+  """A `SparseCoreLookup`'s table: where its axes live, its stack and table
+  lines, placement and exchange, in the terms of its calls.
+
+  Its plan is a placeholder of one id per shard, sized anew for each call
+  (`LookupConfig.plan_for`); so the lines name the table's own axes (the
+  shard axis and the embedding axes, not the internal sample and flattened
+  axes) and give the limits and the exchange as each call sets them
+  rather than the placeholder's.
+  """
+  from pz_sparsecore.device import exchange as exchange_lib
+  from pz_sparsecore.nn.tables import SHARD_AXIS
+
+  config = lookup.config
+  plan, topology = config.plan, config.topology
+  (stack,) = plan.stacks
+  if config.max_ids_per_partition is None:
+    limits = "every id a call sends a partition (max_ids_per_partition=None)"
+  else:
+    limits = (
+      f"ids {config.max_ids_per_partition} per partition "
+      "(max_ids_per_partition), fewer for a call with fewer ids"
+    )
+  exchange = topology.exchange_of(stack)
+  if exchange.mode == exchange_lib.LOCAL:
+    exchange_text = exchange.reason
+  elif topology.exchange == exchange_lib.AUTO:
+    exchange_text = "chosen per call: the mode with fewer predicted bytes"
+  else:
+    exchange_text = f"{topology.exchange} (forced)"
+  axes = [
+    (SHARD_AXIS, config.axis_mapping[SHARD_AXIS]),
+    *((name, ()) for name, _ in config.embedding_axes),
+  ]
+  return [
+    _mapping_text(axes),
+    _stack_line(plan, stack, f"samples per call, limits per call: {limits}"),
+    *stack_details(plan, stack)[1:],
+    f"  placement: {placement_of(topology, stack.name)}",
+    f"  exchange: {exchange_text}",
+  ]
+
+
 def embed_details(embed: Any) -> list[str]:
   """The stacks of a `SparseCoreEmbed`: `stack_details` lines, each stack
   followed by its placement and the exchange it uses on the layer's
-  topology and why."""
+  topology and why (for a `SparseCoreLookup`, `lookup_details`)."""
+  if _is_lookup(embed):
+    return lookup_details(embed)
   plan, topology = embed.config.plan, embed.config.topology
   lines = [mapping_line(embed.config.axis_mapping)]
   for stack in plan.stacks:
@@ -598,14 +677,21 @@ def render_embed(
 ) -> rendering_parts.RenderableAndLineAnnotations:
   """Renders a `SparseCoreEmbed` (works with unbound variable slots too).
 
+  After the stack details come the placement pictures of its first tables
+  in vocabulary order, coloured by device (`placement.view_part`; they
+  read the plan and the mesh, not the values).
+
   A `SparseCoreLookup` has its own summary, and a last detail line, just
   above its physical table, naming the call that shows the table in
   vocabulary order (`vocabulary_view_line`).
   """
+  from pz_sparsecore.viz import placement
+
   color = embed.treescope_color()
   if isinstance(color, tuple):
     color = color[1]
-  details = embed_details(embed)
+  details: list[Any] = embed_details(embed)
+  details.append(placement.view_part(embed, path))
   if _is_lookup(embed):
     details.append(vocabulary_view_line(path))
   return summarized_node(
