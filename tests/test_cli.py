@@ -250,7 +250,8 @@ def test_report_reads_well_at_1280_px(default_run, tmp_path):
     assert figure["width"] <= page["innerWidth"], (name, figure)
     for array in figure["arrays"]:
       assert array["coloured"] > 500, (name, figure)
-  # The shard map is one image; the stats two heat maps (ids, unique ids).
-  assert len(figures["shards"]["arrays"]) == 1, figures["shards"]
+  # The shard map is one image, then (its stack holds one table) the
+  # table's placement picture; the stats two heat maps (ids, unique ids).
+  assert len(figures["shards"]["arrays"]) == 2, figures["shards"]
   assert len(figures["stats"]["arrays"]) == 2, figures["stats"]
   assert page["scrolls"] == [], page
