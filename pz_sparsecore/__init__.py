@@ -32,6 +32,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
   # specs
   "TableSpec": "core.specs",
+  "Eviction": "core.hashed",
+  "string_ids": "core.hashed",
   "FeatureSpec": "core.specs",
   "FeatureIdTransformation": "core.specs",
   "TableSettingInStack": "core.specs",
@@ -110,6 +112,8 @@ _EXPORTS = {
   "logical_slots": "nn.tables",
   "set_logical_tables": "nn.tables",
   "set_logical_slots": "nn.tables",
+  "hashed_rows": "nn.tables",
+  "HashedRows": "nn.tables",
   "with_feature_specs": "nn.respec",
   "update_limits": "nn.respec",
   # input pipeline

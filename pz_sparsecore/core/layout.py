@@ -248,6 +248,12 @@ def stack_tables(
   tables = _tables(feature_specs)
   _check_stackable(tables, table_names, stack_name)
   members = [tables[name] for name in table_names]
+  hashed = [t.name for t in members if t.is_hashed]
+  if hashed and len(members) > 1:
+    raise ValueError(
+      f"stack {stack_name!r}: hashed table {hashed[0]!r} cannot share a "
+      "stack (its shards hold its map of ids); stack it alone"
+    )
   stack_dim = _stack_width(members, stack_name, fail_on_excess_padding)
   rotation = num_sc_per_device if rotation is None else rotation
   settings = _member_settings(members, stack_name, stack_dim, rotation, n)
@@ -602,6 +608,8 @@ def compatible_table_groups(
       table.quantization_config,
       table.dtype,
       name in apart,
+      # A hashed table's shards hold its map: it is alone in its stack.
+      name if table.is_hashed else None,
     )
     groups.setdefault(key, []).append(name)
 

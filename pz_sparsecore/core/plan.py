@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from pz_sparsecore.core import buffer_format, layout
+from pz_sparsecore.core import buffer_format, hashed, layout
 from pz_sparsecore.core.specs import (
   FeatureIdTransformation,
   FeatureSpec,
@@ -72,7 +72,12 @@ class FeaturePlan:
 
   @property
   def vocabulary_size(self) -> int:
-    return self.spec.table_spec.vocabulary_size
+    """The ids the preprocessor admits: the table's, or for a hashed
+    table every place of its padded rows (`host.hashed_ids`)."""
+    table = self.spec.table_spec
+    if table.is_hashed:
+      return table.setting_in_stack.padded_vocab_size
+    return table.vocabulary_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +132,13 @@ class StackPlan:
     """The members' own width (a row-wise optimizer's mean divides by it;
     `_check_stack` makes it one value for such a stack)."""
     return self.tables[0].embedding_dim
+
+  @property
+  def hashed(self) -> TableSpec | None:
+    """The stack's table if it takes raw ids (alone in its stack), else
+    None."""
+    table = self.tables[0]
+    return table if table.is_hashed else None
 
   @property
   def quantization(self) -> tuple[float, float, int] | None:
@@ -429,6 +441,13 @@ def build(
 
 
 _cached_build = functools.lru_cache(maxsize=64)(_build)
+
+
+def hashed_ids_per_device(plan: Plan, stack: StackPlan) -> int:
+  """int32 words per device of a hashed stack's ids sent to their owners:
+  per local SparseCore, per partition, `r8(max_unique_ids_per_partition)`
+  ids of `hashed.KEY_WORDS` words (`host.hashed_ids` writes them)."""
+  return plan.num_shards * stack.unique_window * hashed.KEY_WORDS
 
 
 def with_minibatch_buffers(plan: Plan) -> Plan:

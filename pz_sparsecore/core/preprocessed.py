@@ -47,6 +47,12 @@ class PreprocessedInput:
       buffers are the four above, unchanged. Code that changes the four
       after preprocessing drops it (`dataclasses.replace(inputs,
       sample_order=None)`): the forward would sum the old lookups.
+    hashed_ids: None, or per hashed stack (`core.hashed`) the distinct ids
+      each local SparseCore sends each partition, int32 `[L * H_dev]` /
+      `[L, H_dev]` (`plan.hashed_ids_per_device`): `[S, N, cap, 3]` per
+      device, by their place in the partition (`lhs_embedding_ids` holds
+      that place until the ids are resolved to rows: `device.hashed`).
+      Resolved buffers have none.
   """
 
   lhs_row_pointers: dict[str, Any]
@@ -55,6 +61,7 @@ class PreprocessedInput:
   lhs_gains: dict[str, Any]
   num_minibatches: Any = None
   sample_order: Any = None
+  hashed_ids: Any = None
 
   @property
   def sparse_dense_matmul_input(self) -> SparseDenseMatmulInput:

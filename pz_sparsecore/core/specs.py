@@ -36,9 +36,10 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from pz_sparsecore.core import optimizers
+from pz_sparsecore.core import hashed, optimizers
 
 COMBINERS = ("sum", "mean", "sqrtn")
+ID_KINDS = ("range", "hashed")
 DEFAULT_MAX_IDS_PER_PARTITION = 256
 DEFAULT_MAX_UNIQUE_IDS_PER_PARTITION = 256
 DEFAULT_ACTIVATION_MEM_BYTES_LIMIT = 2 * 1024 * 1024
@@ -832,6 +833,14 @@ class TableSpec:
       in). Their gradients may come in that dtype or float32; the update
       reads them as float32. Tables of different activation dtypes may
       share a stack.
+    ids: `"range"` (the default): ids lie in `[0, vocabulary_size)`.
+      `"hashed"`: raw ids, any int64 or strings / bytes, each given a row of
+      its own on its owner shard while room allows (`core.hashed`);
+      `vocabulary_size` is then the rows the table can hold. A hashed table
+      is always alone in its stack.
+    eviction: For a hashed table, what happens when an id finds no free row:
+      an `Eviction`, or a policy name (`"lru"`, `"lfu"`, `"ttl"`,
+      `"none"`); None: `"lru"`. Must be None for a `"range"` table.
   """
 
   name: str
@@ -848,9 +857,24 @@ class TableSpec:
   stacked_table_spec: StackedTableSpec | None = None
   dtype: Any = jnp.float32
   activation_dtype: Any = jnp.float32
+  ids: str = "range"
+  eviction: Any = None
 
   def __post_init__(self):
     owner = f"table {self.name!r}"
+    if self.ids not in ID_KINDS:
+      raise ValueError(
+        f"{owner}: ids must be one of {ID_KINDS}, got {self.ids!r}"
+      )
+    if self.ids == "hashed":
+      object.__setattr__(
+        self, "eviction", hashed.as_eviction(self.name, self.eviction)
+      )
+    elif self.eviction is not None:
+      raise ValueError(
+        f"{owner}: eviction is for hashed tables (ids='hashed'), got "
+        f"eviction={self.eviction!r} with ids={self.ids!r}"
+      )
     if not isinstance(self.name, str) or not self.name:
       raise ValueError(f"table name must be a non-empty string: {self.name!r}")
     object.__setattr__(self, "dtype", table_dtype(owner, self.dtype))
@@ -883,6 +907,11 @@ class TableSpec:
   def replace(self, **changes: Any) -> TableSpec:
     """A copy with `changes` applied."""
     return dataclasses.replace(self, **changes)
+
+  @property
+  def is_hashed(self) -> bool:
+    """Whether the table takes raw ids (`ids="hashed"`)."""
+    return self.ids == "hashed"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,6 +67,7 @@ every stack's buffers in one launch (`fill`'s docstring); with minibatching,
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -85,7 +86,12 @@ from pz_sparsecore.core.preprocessed import (
 )
 from pz_sparsecore.core.specs import FeatureSpec
 from pz_sparsecore.host import fill as fill_lib
-from pz_sparsecore.host import minibatching, ragged_input, sample_order
+from pz_sparsecore.host import (
+  hashed_ids,
+  minibatching,
+  ragged_input,
+  sample_order,
+)
 
 # ---------------------------------------------------------------------------
 # Buffer sizes.
@@ -194,6 +200,12 @@ def input_shapes(
     sample_order=None
     if order is None
     else {k: struct(n, np.int32) for k, n in order.items()},
+    hashed_ids={
+      s.name: struct(plan_lib.hashed_ids_per_device(plan, s), np.int32)
+      for s in plan.stacks
+      if s.hashed is not None
+    }
+    or None,
   )
 
 
@@ -356,6 +368,13 @@ def preprocess_for_plan(
       plan.treedef, features_weights, "features_weights"
     )
   leaves = dict(zip(names, zip(ids, weights, strict=True), strict=True))
+  leaves, keys = hashed_ids.prepare(plan, leaves, int(local_device_count))
+  if keys and enable_minibatching:
+    raise ValueError(
+      f"stack {next(iter(keys))!r} holds a hashed table: minibatching "
+      "does not take hashed tables yet; preprocess without "
+      "enable_minibatching (raise the limits instead)"
+    )
   if enable_minibatching:
     return minibatching.preprocess(
       plan_lib.with_minibatch_buffers(plan),
@@ -369,7 +388,12 @@ def preprocess_for_plan(
     plan, leaves, int(local_device_count), bool(allow_id_dropping)
   )
   fill_lib.check_call_limits(call)
-  return fill_lib.results(call, has_leading_dimension)
+  inputs, stats = fill_lib.results(call, has_leading_dimension)
+  if keys:
+    shape = (local_device_count, -1) if has_leading_dimension else (-1,)
+    keys = {k: v.reshape(shape) for k, v in keys.items()}
+    inputs = dataclasses.replace(inputs, hashed_ids=keys)
+  return inputs, stats
 
 
 __all__ = [

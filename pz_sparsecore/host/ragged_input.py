@@ -424,7 +424,7 @@ for messages), `is_leaf(leaf)` and `to_rows(name, ids, weights) -> (ids,
 weights)`; a new input format is one such module, listed here."""
 
 
-def _convert_formats(
+def convert_formats(
   features: Sequence[FeaturePlan],
   id_leaves: list[Any],
   weight_leaves: list[Any],
@@ -464,9 +464,7 @@ def read_batch(
   Raises:
     ValueError: On a malformed batch, an id out of range or bad weights.
   """
-  id_leaves, weight_leaves = _convert_formats(
-    features, id_leaves, weight_leaves
-  )
+  id_leaves, weight_leaves = convert_formats(features, id_leaves, weight_leaves)
   values, row_splits, num_rows = read_ids(features, id_leaves)
   rows = coo_input.splits_from_lengths(num_rows)
   weighted = np.array([w is not None for w in weight_leaves], np.bool_)

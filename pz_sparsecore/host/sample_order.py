@@ -35,8 +35,12 @@ from pz_sparsecore.core import plan as plan_lib
 
 def applies(plan: plan_lib.Plan) -> bool:
   """Whether buffers for `plan` carry a sample order (one device, one
-  minibatch)."""
-  return plan.num_devices == 1 and plan.minibatches == 1
+  minibatch, no hashed table: its ids become rows on the device)."""
+  return (
+    plan.num_devices == 1
+    and plan.minibatches == 1
+    and all(stack.hashed is None for stack in plan.stacks)
+  )
 
 
 def values_per_device(plan: plan_lib.Plan, stack: plan_lib.StackPlan) -> int:

@@ -16,6 +16,8 @@ from pz_sparsecore.nn.probe import ActivationProbe
 from pz_sparsecore.nn.respec import update_limits, with_feature_specs
 from pz_sparsecore.nn.split import convert_lookups, split_tables, value_and_grad
 from pz_sparsecore.nn.tables import (
+  HashedRows,
+  hashed_rows,
   logical_slots,
   logical_tables,
   set_logical_slots,
@@ -48,6 +50,8 @@ __all__ = [
   "SparseCoreTrainer",
   "SparseCoreTrainerState",
   "find_embeds",
+  "HashedRows",
+  "hashed_rows",
   "logical_slots",
   "logical_tables",
   "restore_checkpoint",

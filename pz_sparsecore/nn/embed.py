@@ -43,6 +43,7 @@ from penzai import pz
 from pz_sparsecore.core import layout
 from pz_sparsecore.core import plan as plan_lib
 from pz_sparsecore.core.specs import FeatureSpec
+from pz_sparsecore.device import hashed as hashed_lib
 from pz_sparsecore.device import input_check, replication, routing
 from pz_sparsecore.device import topology as topology_lib
 from pz_sparsecore.host.fill import LimitsExceededError
@@ -112,6 +113,14 @@ class EmbedConfig:
     """The label of one optimizer slot of `stack`."""
     return f"{self.name}/{stack}.{slot}"
 
+  def map_label(self, stack: str, part: str) -> str:
+    """The label of one part of a hashed stack's map (`MAP_PARTS`)."""
+    return f"{self.name}/{stack}.map_{part}"
+
+
+MAP_PARTS = hashed_lib.StackMap._fields
+"""The parts of a hashed stack's map, each a `pz.StateVariable`."""
+
 
 def _feature_axes(
   specs: tuple[FeatureSpec, ...], feature_axes: Any
@@ -178,6 +187,28 @@ def _replicated_tables(
   )
 
 
+def _without_hashed(
+  feature_specs: Any, replicated: frozenset[str], placement: Any
+) -> frozenset[str]:
+  """`replicated` less the hashed tables (their shards hold their maps);
+  raises if `placement` names one "replicated"."""
+  hashed = {
+    spec.table_spec.name
+    for spec in jax.tree.leaves(feature_specs)
+    if spec.table_spec.is_hashed
+  }
+  if isinstance(placement, Mapping):
+    named = sorted(
+      t for t in hashed if placement.get(t) == replication.REPLICATED
+    )
+    if named:
+      raise ValueError(
+        f"table {named[0]!r} is hashed: its shards hold its map of ids, "
+        "so it cannot be replicated; place it 'sharded'"
+      )
+  return frozenset(t for t in replicated if t not in hashed)
+
+
 def make_config(
   name: str,
   feature_specs: Any,
@@ -206,6 +237,7 @@ def make_config(
   replicated = _replicated_tables(
     feature_specs, g, s, placement, max_replicated_bytes
   )
+  replicated = _without_hashed(feature_specs, replicated, placement)
   if stacking == "auto":
     feature_specs = layout.stack_compatible_tables(
       feature_specs, g, s, apart=replicated
@@ -559,6 +591,51 @@ def make_variables(
   return tables, slots
 
 
+def make_maps(
+  config: EmbedConfig, init_base_rng: jax.Array | None
+) -> dict[str, dict[str, Any]]:
+  """Each hashed stack's map, empty (variable slots if no key is given):
+  stack name -> part (`MAP_PARTS`) -> `pz.StateVariable`."""
+  maps = {}
+  topo = config.topology
+  for stack in hashed_lib.hashed_stacks(config.plan):
+    labels = {p: config.map_label(stack.name, p) for p in MAP_PARTS}
+    if init_base_rng is None:
+      maps[stack.name] = {
+        p: pz.StateVariableSlot(label) for p, label in labels.items()
+      }
+      continue
+    key = pz.nn.derive_param_key(init_base_rng, labels["seed"])
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+      key = jax.random.key_data(key)
+    empty = hashed_lib.empty_map(
+      topo.num_shards, stack.rows_per_shard, jnp.asarray(key, jnp.uint32)
+    )
+    placed = hashed_lib.StackMap(
+      *(
+        jax.device_put(x, topo.sharding(x.ndim))
+        for x in (empty.ids, empty.seen, empty.counters)
+      ),
+      jax.device_put(
+        empty.seed,
+        jax.sharding.NamedSharding(topo.mesh, jax.sharding.PartitionSpec()),
+      ),
+    )
+    maps[stack.name] = {
+      p: pz.StateVariable(value=v, label=labels[p])
+      for p, v in zip(MAP_PARTS, placed, strict=True)
+    }
+  return maps
+
+
+def map_arrays(embed: Any) -> dict[str, hashed_lib.StackMap]:
+  """Hashed stack name -> its map's current arrays."""
+  return {
+    name: hashed_lib.StackMap(*(parts[p].value for p in MAP_PARTS))
+    for name, parts in embed.maps.items()
+  }
+
+
 # Whoever records the statistics of every batch a layer preprocesses (in any
 # thread): `SparseCoreTrainer.fit(refresh_limits_every=...)`.
 StatsRecorder = Callable[[EmbedConfig, SparseDenseMatmulInputStats], None]
@@ -600,12 +677,15 @@ class SparseCoreEmbed(pz.nn.Layer):
     config: Static description: name, plan, topology, axis names.
     activation_probe: None, except inside a trainer's differentiated loss,
       where it adds zero probes to the activations and records the inputs.
+    maps: Hashed stack name → part (`MAP_PARTS`) → `pz.StateVariable`: the
+      map of ids to rows of each hashed table (`core.hashed`).
   """
 
   tables: dict[str, Any]
   slots: dict[str, dict[str, Any]]
   config: EmbedConfig = dataclasses.field(metadata={"pytree_node": False})
   activation_probe: ActivationProbe | None = None
+  maps: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def from_config(
@@ -713,7 +793,12 @@ class SparseCoreEmbed(pz.nn.Layer):
       max_replicated_bytes,
     )
     tables, slots = make_variables(config, init_base_rng)
-    return cls(tables=tables, slots=slots, config=config)
+    return cls(
+      tables=tables,
+      slots=slots,
+      config=config,
+      maps=make_maps(config, init_base_rng),
+    )
 
   def preprocess(
     self,
@@ -801,6 +886,8 @@ class SparseCoreEmbed(pz.nn.Layer):
     check_inputs(config, inputs)
     if side_inputs.get("validate", False):
       self.validate(inputs)
+    if inputs.hashed_ids is not None:
+      inputs = self.resolve_ids(inputs, train=False)
     acts = routing.lookup(
       config.plan, config.topology, table_arrays(self), inputs
     )
@@ -819,6 +906,58 @@ class SparseCoreEmbed(pz.nn.Layer):
       )
       out[feature.name] = pz.nx.wrap(value).tag(*names)
     return out
+
+  def resolve_ids(
+    self,
+    inputs: PreprocessedInput,
+    *,
+    step: jax.Array | int = 0,
+    train: bool = True,
+  ) -> PreprocessedInput:
+    """The buffers with every hashed table's raw ids resolved to rows.
+
+    In training, ids not held yet get rows (evicting by the table's policy
+    when their window is full; their rows drawn from the initializer for
+    the id, their optimizer slots reset), and the map records `step`; in
+    inference (`train=False`) unseen ids read a zero row and are counted.
+    Writes the maps (and in training the reset rows) into the layer's
+    variables. `SparseCoreTrainer` calls it before each step; a
+    hand-written step calls it before the forward and passes the result to
+    both the forward and `apply_gradients`. A call of the layer on
+    unresolved buffers resolves them for inference.
+
+    Args:
+      inputs: Buffers from `preprocess`.
+      step: The training step (the map's clock).
+      train: Insert new ids (training) or only look up (inference).
+
+    Returns:
+      The buffers, resolved (without `hashed_ids`); buffers without hashed
+      tables as they are.
+    """
+    config = self.config
+    check_inputs(config, inputs)
+    if inputs.hashed_ids is None or not self.maps:
+      return inputs
+    stacks = list(self.maps)
+    tables = table_arrays(self)
+    slots = slot_arrays(self)
+    maps, new_tables, new_slots, resolved = hashed_lib.resolve(
+      config.plan,
+      config.topology,
+      map_arrays(self),
+      {k: tables[k] for k in stacks} if train else {},
+      {k: slots[k] for k in stacks} if train else {},
+      inputs,
+      step,
+      train=train,
+    )
+    for name, value in maps.items():
+      for part, array in zip(MAP_PARTS, value, strict=True):
+        self.maps[name][part].value = array
+    if train:
+      assign_arrays(self, new_tables, new_slots)
+    return resolved
 
   def validate(self, inputs: PreprocessedInput) -> None:
     """Checks hand-built buffers' contents before they are used.
@@ -868,6 +1007,13 @@ class SparseCoreEmbed(pz.nn.Layer):
     """
     config = self.config
     check_inputs(config, inputs)
+    if inputs.hashed_ids is not None:
+      raise ValueError(
+        f"SparseCoreEmbed {config.name!r}: these buffers hold raw ids of "
+        "hashed tables; resolve them first (inputs = "
+        "embed.resolve_ids(inputs, step=step)) and pass the result to the "
+        "forward and to apply_gradients"
+      )
     tables, slots = routing.apply_gradients(
       config.plan,
       config.topology,
@@ -1032,6 +1178,8 @@ def check_inputs(config: EmbedConfig, inputs: Any) -> None:
           "per device)"
         )
       continue
+    if field.name == "hashed_ids" and got is None:
+      continue  # Resolved (or no hashed table).
     if field.name == "sample_order":
       if got is None:
         continue  # Optional: the forward then sorts by sample itself.

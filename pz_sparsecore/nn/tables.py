@@ -30,13 +30,13 @@ writing anything: on a `ValueError` the layer is unchanged.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
 from penzai import pz
 
-from pz_sparsecore.core import layout, optimizers
+from pz_sparsecore.core import hashed, layout, optimizers
 from pz_sparsecore.nn.host import from_host, to_host
 
 if TYPE_CHECKING:
@@ -205,19 +205,74 @@ def logical_tables(
       of them there and says where.
 
   Returns:
-    Every table of the layer, unstacked and unsharded.
+    Every table of the layer, unstacked and unsharded; a hashed table
+    (`ids="hashed"`) as `HashedRows`, the ids it holds and their rows (its
+    rows a `NamedArray` `{"id": held, embedding_axis: dim}` if `named`).
   """
   plan = embed.config.plan
-  stacked = {stack: to_host(v) for stack, v in table_arrays(embed).items()}
-  tables = layout.unshard_and_unstack_tables(
-    plan.feature_specs, stacked, plan.num_shards
-  )
-  if not named:
-    return tables
-  return {
-    name: _named_logical(embed.config, name, value)
-    for name, value in tables.items()
+  stacked = {
+    stack: to_host(v)
+    for stack, v in table_arrays(embed).items()
+    if plan.stack(stack).hashed is None
   }
+  specs = [s for s in plan.feature_specs if not s.table_spec.is_hashed]
+  tables = layout.unshard_and_unstack_tables(specs, stacked, plan.num_shards)
+  if named:
+    tables = {
+      name: _named_logical(embed.config, name, value)
+      for name, value in tables.items()
+    }
+  for name, held in hashed_rows(embed).items():
+    if named:
+      rows = pz.nx.wrap(held.rows).tag("id", embed.config.embedding_axis)
+      held = held._replace(rows=rows)
+    tables[name] = held
+  return {name: tables[name] for name in plan.tables}
+
+
+class HashedRows(NamedTuple):
+  """The ids a hashed table holds and their rows, in ascending id order.
+
+  Attributes:
+    ids: int64 `[held]`.
+    rows: `[held, dim]` float32 (the table's own width).
+    shards: int64 `[held]`, the shard holding each id.
+    slots: int64 `[held]`, its row in the shard.
+    last_seen: int64 `[held]`, the step it was last seen in training.
+    counts: int64 `[held]`, its count (`core.hashed`).
+  """
+
+  ids: np.ndarray
+  rows: np.ndarray
+  shards: np.ndarray
+  slots: np.ndarray
+  last_seen: np.ndarray
+  counts: np.ndarray
+
+
+def hashed_rows(embed: SparseCoreEmbed) -> dict[str, HashedRows]:
+  """Hashed table name -> the ids it holds and their rows (read from every
+  shard to the host; with several processes every process calls this)."""
+  out = {}
+  tables = table_arrays(embed)
+  for stack, parts in embed.maps.items():
+    table = embed.config.plan.stack(stack).hashed
+    ids = to_host(parts["ids"].value)
+    seen = to_host(parts["seen"].value)
+    shard, slot = np.nonzero(seen[..., 0] != hashed.EMPTY)
+    held = hashed.ids_of_words(ids[shard, slot, 0], ids[shard, slot, 1])
+    order = np.argsort(held, kind="stable")
+    shard, slot = shard[order], slot[order]
+    rows = to_host(tables[stack])[shard, slot, : table.embedding_dim]
+    out[table.name] = HashedRows(
+      ids=held[order],
+      rows=np.asarray(rows, np.float32),
+      shards=shard.astype(np.int64),
+      slots=slot.astype(np.int64),
+      last_seen=seen[shard, slot, 0].astype(np.int64),
+      counts=seen[shard, slot, 1].astype(np.int64),
+    )
+  return out
 
 
 def logical_slots(embed: SparseCoreEmbed) -> dict[str, dict[str, np.ndarray]]:
@@ -263,6 +318,11 @@ def _check_logical(
     )
   for name, value in values.items():
     table = tables[name]
+    if table.is_hashed:
+      raise ValueError(
+        f"{what} {name!r} is hashed: its rows belong to the ids its map "
+        "holds (pzsc.hashed_rows), not to positions; train or restore it"
+      )
     value = np.asarray(value, dtype=np.float32)
     expected = (table.vocabulary_size, table.embedding_dim)
     if slot is not None:

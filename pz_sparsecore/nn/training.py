@@ -414,6 +414,44 @@ def _rebuild(variables: tuple[Any, ...], new: dict[str, jax.Array]):
   return tuple(out)
 
 
+def _resolve_hashed_ids(
+  stateless_model: Any,
+  state_vars: tuple[Any, ...],
+  tables: tuple[Any, ...],
+  slots: tuple[Any, ...],
+  kwargs: dict[str, Any],
+  step: jax.Array,
+):
+  """The step's buffers with hashed tables' ids resolved to rows (inserting
+  new ids: `SparseCoreEmbed.resolve_ids`), and the variables that changed:
+  `(state_vars, tables, slots, kwargs)`, frozen as they came."""
+  groups = (state_vars, tables, slots)
+  mutable = tuple(tuple(v.unfreeze_as_copy() for v in g) for g in groups)
+  model = pz.bind_variables(stateless_model, sum(mutable, ()))
+  embeds = [e for e in find_embeds(model) if e.maps]
+  if not embeds:
+    return (*groups, kwargs)
+
+  def resolve(leaf: Any) -> Any:
+    if not isinstance(leaf, PreprocessedInput) or leaf.hashed_ids is None:
+      return leaf
+    owners = [e for e in embeds if fits(e, leaf)]
+    if len(owners) != 1:
+      names = [e.config.name for e in owners] or "no layer"
+      raise ValueError(
+        "a PreprocessedInput with hashed ids fits "
+        f"{names}: the trainer resolves each one with the one layer whose "
+        "buffers it matches"
+      )
+    return owners[0].resolve_ids(leaf, step=step, train=True)
+
+  kwargs = jax.tree.map(
+    resolve, kwargs, is_leaf=lambda x: isinstance(x, PreprocessedInput)
+  )
+  frozen = tuple(tuple(v.freeze() for v in g) for g in mutable)
+  return (*frozen, kwargs)
+
+
 def _trainer_step(
   root_rng: jax.Array,
   state: SparseCoreTrainerState,
@@ -431,6 +469,9 @@ def _trainer_step(
 
   `touched` holds the touched-row bitmaps of a trainer that tracks them
   (`_touched.py`), None otherwise."""
+  state_vars, tables, slots, kwargs = _resolve_hashed_ids(
+    stateless_model, state_vars, tables, slots, kwargs, state.step
+  )
   variables = _Variables(dense_params, frozen_params, state_vars, tables, slots)
   rng = jax.random.fold_in(root_rng, state.step)
   grads = _loss_and_grads(

@@ -1,0 +1,526 @@
+"""The map of a hashed table's shard, in JAX (`core.hashed` has its rules).
+
+`resolve_shard` is one call of one shard's map: the ids sent to the shard
+in, each one's slot out, the map updated. It is written with JAX
+operations only: the reference the compiled handler is checked against,
+and the implementation wherever that handler is not built.
+
+Cost: the hits are found for all ids at once (`n x W` compares); the
+misses of a training call then take their slots one after another (a loop
+of `misses` iterations, `W` compares each), since each may take a slot the
+next one would have taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from pz_sparsecore.core import buffer_format, hashed
+from pz_sparsecore.core.plan import Plan
+from pz_sparsecore.core.preprocessed import PreprocessedInput
+from pz_sparsecore.device.exchange.base import own_buffer_shape
+from pz_sparsecore.device.kernels import reference
+from pz_sparsecore.device.topology import Topology
+
+_INT32_MAX = 2**31 - 1
+_SIGN = jnp.int32(-(2**31))
+
+
+class ShardMap(NamedTuple):
+  """One shard's map.
+
+  Attributes:
+    ids: int32 `[C, 2]`: the id each slot holds (low, high word).
+    seen: int32 `[C, 2]`: each slot's last step (`hashed.EMPTY` if free)
+      and count.
+  """
+
+  ids: jax.Array
+  seen: jax.Array
+
+
+class Resolved(NamedTuple):
+  """One call's result on one shard.
+
+  Attributes:
+    slots: int32 `[n]`: each id's slot, `hashed.REFUSED` for a refused or
+      unseen id and for no id.
+    reset: bool `[n]`: the first occurrence of each id given a slot in this
+      call (its row and optimizer slots must be reset).
+    map: The updated map.
+    counts: int32 `[len(hashed.COUNTERS)]`: the call's changes of the
+      shard's counters.
+  """
+
+  slots: jax.Array
+  reset: jax.Array
+  map: ShardMap
+  counts: jax.Array
+
+
+def decayed(count, last, step, decay_steps: int | None):
+  """A count halved once per `decay_steps` steps since `last` (None or 0:
+  never; only `lfu` counts decay)."""
+  if not decay_steps:
+    return count
+  halvings = jnp.minimum((step - last) // decay_steps, 31)
+  return jnp.right_shift(count, jnp.maximum(halvings, 0))
+
+
+def _sorted_order(ids: jax.Array) -> jax.Array:
+  """The permutation putting ids in ascending unsigned 64-bit order, absent
+  ids (home -1) last."""
+  absent = (ids[:, 2] < 0).astype(jnp.int32)
+  # XOR with the sign bit orders int32 words as unsigned ones.
+  hi, lo = ids[:, 1] ^ _SIGN, ids[:, 0] ^ _SIGN
+  index = jnp.arange(ids.shape[0], dtype=jnp.int32)
+  return jax.lax.sort((absent, hi, lo, index), num_keys=3)[3]
+
+
+def _window(home, capacity: int) -> jax.Array:
+  w = hashed.window(capacity)
+  return (home[..., None] + jnp.arange(w, dtype=jnp.int32)) % capacity
+
+
+def _pick(
+  slots, seen, step, policy: hashed.Eviction
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """A miss's slot among its window `slots` (`seen` their rows of the
+  map): `(found, slot, evicts)`."""
+  last, count = seen[:, 0], seen[:, 1]
+  free = last == hashed.EMPTY
+  first_free = jnp.argmax(free)
+  if policy.policy == "none":
+    eligible = jnp.zeros_like(free)
+  else:
+    eligible = (last < step) & ~free
+    if policy.policy == "ttl":
+      eligible &= step - last > policy.ttl_steps
+  big = jnp.int32(_INT32_MAX)
+  if policy.policy == "lfu":
+    score = decayed(count, last, step, policy.decay_steps)
+    best = jnp.min(jnp.where(eligible, score, big))
+    eligible &= score == best
+  best_last = jnp.min(jnp.where(eligible, last, big))
+  eligible &= last == best_last
+  victim = jnp.argmax(eligible)
+  any_free = jnp.any(free)
+  found = any_free | jnp.any(eligible)
+  chosen = jnp.where(any_free, first_free, victim)
+  return found, slots[chosen], found & ~any_free
+
+
+def _hits(shard: ShardMap, s_ids, window, first):
+  """Which (first occurrences of) ids the map holds before the call, and
+  their slots (`hashed.REFUSED` for the others)."""
+  held = shard.ids[window]
+  match = (
+    (shard.seen[window, 0] != hashed.EMPTY)
+    & (held[..., 0] == s_ids[:, None, 0])
+    & (held[..., 1] == s_ids[:, None, 1])
+  )
+  hit = first & jnp.any(match, axis=1)
+  slot = jnp.where(
+    hit,
+    jnp.take_along_axis(window, jnp.argmax(match, axis=1)[:, None], 1)[:, 0],
+    hashed.REFUSED,
+  )
+  return hit, slot
+
+
+def _insert_misses(map_ids, seen, slot, s_ids, window, miss, step, eviction):
+  """The misses take their slots one after another, in id order:
+  `(map ids, seen, slot, counters' changes)`."""
+  capacity = map_ids.shape[0]
+  miss_order = jnp.argsort(~miss, stable=True)
+  num_misses = jnp.sum(miss, dtype=jnp.int32)
+
+  def insert(i, state):
+    map_ids, seen, slot, counts = state
+    at = miss_order[i]
+    candidates = window[at]
+    found, chosen, evicts = _pick(candidates, seen[candidates], step, eviction)
+    target = jnp.where(found, chosen, capacity)
+    map_ids = map_ids.at[target].set(s_ids[at, :2], mode="drop")
+    seen = seen.at[target].set(jnp.stack([step, jnp.int32(1)]), mode="drop")
+    slot = slot.at[at].set(jnp.where(found, chosen, hashed.REFUSED))
+    add = jnp.stack(
+      [
+        found & ~evicts,  # held
+        found,  # inserted
+        evicts,  # evicted
+        ~found,  # refused
+        jnp.bool_(False),  # unseen
+      ]
+    ).astype(jnp.int32)
+    return map_ids, seen, slot, counts + add
+
+  return jax.lax.fori_loop(
+    0,
+    num_misses,
+    insert,
+    (map_ids, seen, slot, jnp.zeros((len(hashed.COUNTERS),), jnp.int32)),
+  )
+
+
+def resolve_shard(
+  ids: jax.Array,
+  shard: ShardMap,
+  step: jax.Array,
+  *,
+  eviction: hashed.Eviction,
+  train: bool,
+) -> Resolved:
+  """One call of one shard's map (`core.hashed`).
+
+  Args:
+    ids: int32 `[n, 3]`: low word, high word and home of each id sent to
+      the shard (home -1: no id); an id may come several times.
+    shard: The shard's map.
+    step: int32, the current step (training; ignored in inference).
+    eviction: The table's policy.
+    train: Insert and evict (training) or only look up (inference).
+
+  Returns:
+    Each id's slot, which ones to reset, the new map and the counters'
+    changes.
+  """
+  n = ids.shape[0]
+  capacity = shard.ids.shape[0]
+  step = jnp.asarray(step, jnp.int32)
+  order = _sorted_order(ids)
+  s_ids = ids[order]
+  present = s_ids[:, 2] >= 0
+  same = jnp.all(s_ids[1:, :2] == s_ids[:-1, :2], axis=1)
+  first = present & jnp.concatenate([jnp.ones((1,), bool), ~same])
+
+  window = _window(jnp.maximum(s_ids[:, 2], 0), capacity)
+  hit, slot = _hits(shard, s_ids, window, first)
+  miss = first & ~hit
+  zero = jnp.int32(0)
+  if not train:
+    unseen = jnp.sum(miss, dtype=jnp.int32)
+    counts = jnp.stack([zero, zero, zero, zero, unseen])
+    return Resolved(
+      _spread(slot, first, present, order),
+      jnp.zeros((n,), bool),
+      shard,
+      counts,
+    )
+
+  seen = shard.seen
+  hit_rows = jnp.where(hit, slot, capacity)
+  old = seen[jnp.minimum(hit_rows, capacity - 1)]
+  bumped = decayed(old[:, 1], old[:, 0], step, eviction.decay_steps)
+  bumped = jnp.where(bumped < _INT32_MAX, bumped + 1, bumped)
+  seen = seen.at[hit_rows].set(
+    jnp.stack([jnp.broadcast_to(step, bumped.shape), bumped], 1), mode="drop"
+  )
+
+  map_ids, seen, slot, counts = _insert_misses(
+    shard.ids, seen, slot, s_ids, window, miss, step, eviction
+  )
+  reset_sorted = miss & (slot != hashed.REFUSED)
+  reset = jnp.zeros((n,), bool).at[order].set(reset_sorted)
+  return Resolved(
+    _spread(slot, first, present, order),
+    reset,
+    ShardMap(map_ids, seen),
+    counts,
+  )
+
+
+def _spread(slot, first, present, order) -> jax.Array:
+  """Each id's slot in input order, from the slots of the first occurrences
+  (`slot`, `first`, `present` in sorted order)."""
+  group = jnp.cumsum(first.astype(jnp.int32)) - 1
+  firsts = jnp.where(first, size=first.shape[0], fill_value=0)[0]
+  by_group = slot[firsts]
+  sorted_slots = jnp.where(
+    present, by_group[jnp.maximum(group, 0)], hashed.REFUSED
+  )
+  return jnp.zeros_like(sorted_slots).at[order].set(sorted_slots)
+
+
+def add_counters(counters: jax.Array, counts: jax.Array) -> jax.Array:
+  """Counters plus a call's changes, saturating at 2**31 - 1."""
+  room = _INT32_MAX - counters
+  return counters + jnp.minimum(counts, room)
+
+
+# ---------------------------------------------------------------------------
+# A hashed stack over the mesh: ids to their owners, rows back to the
+# buffers.
+
+
+class StackMap(NamedTuple):
+  """A hashed stack's map over all its shards (the layer's state).
+
+  Attributes:
+    ids: int32 `[N, C, 2]`, sharded like the table.
+    seen: int32 `[N, C, 2]`, sharded like the table.
+    counters: int32 `[N, len(hashed.COUNTERS)]`, sharded like the table.
+    seed: uint32 `[2]`, replicated: the key new rows are drawn from (with
+      each id folded in).
+  """
+
+  ids: jax.Array
+  seen: jax.Array
+  counters: jax.Array
+  seed: jax.Array
+
+
+def empty_map(num_shards: int, capacity: int, seed: jax.Array) -> StackMap:
+  """A map holding no id (host arrays; place them like the table)."""
+  return StackMap(
+    ids=jnp.zeros((num_shards, capacity, 2), jnp.int32),
+    seen=jnp.zeros((num_shards, capacity, 2), jnp.int32)
+    .at[..., 0]
+    .set(hashed.EMPTY),
+    counters=jnp.zeros((num_shards, len(hashed.COUNTERS)), jnp.int32),
+    seed=seed,
+  )
+
+
+def new_rows(stack, seed: jax.Array, words: jax.Array) -> jax.Array:
+  """The initial rows `[n, D]` (float32) of ids given as `[n, >= 2]` words:
+  the table's initializer drawn with `seed` folded with each id's words, so
+  a row depends on its id alone."""
+  init = stack.hashed.initializer
+  base = jax.random.wrap_key_data(seed)
+
+  def one(w):
+    key = jax.random.fold_in(jax.random.fold_in(base, w[0]), w[1])
+    try:
+      row = init(key, (1, stack.dim), jnp.float32)
+    except TypeError:
+      row = init(key, (1, stack.dim))
+    return jnp.asarray(row, jnp.float32).reshape(stack.dim)
+
+  return jax.vmap(one)(words)
+
+
+def _reset(stack, table, slots, slot_rows, reset, words, seed):
+  """The table and optimizer slots with the reset rows of each local shard
+  written (`slot_rows`, `reset`, `words`: `[S, n]`, `[S, n]`, `[S, n, 3]`)."""
+  s, capacity = table.shape[0], table.shape[1]
+  target = jnp.where(reset, slot_rows, capacity)
+  shard = jnp.broadcast_to(
+    jnp.arange(s, dtype=jnp.int32)[:, None], target.shape
+  )
+  rows = new_rows(stack, seed, words.reshape(-1, words.shape[-1]))
+  table = table.at[shard, target].set(
+    rows.reshape(*target.shape, -1).astype(table.dtype), mode="drop"
+  )
+  new_slots = []
+  for value, init in zip(
+    slots, stack.optimizer.slot_variables_initializers(), strict=True
+  ):
+    first = jnp.asarray(
+      init(jax.random.key(0), (1, value.shape[-1])), value.dtype
+    ).reshape(-1)
+    new_slots.append(
+      value.at[shard, target].set(
+        jnp.broadcast_to(first, (*target.shape, value.shape[-1])),
+        mode="drop",
+      )
+    )
+  return table, tuple(new_slots)
+
+
+def local_resolve(
+  stack,
+  topo,
+  stack_map: StackMap,
+  table: jax.Array,
+  slots: tuple[jax.Array, ...],
+  buffers,
+  words: jax.Array,
+  step: jax.Array,
+  train: bool,
+):
+  """Per device, inside `shard_map`: the stack's ids resolved to rows.
+
+  Args:
+    stack: The stack's plan (`stack.hashed` is its table).
+    topo: The topology.
+    stack_map: The device's part of the map (`[S, C, 2]`, `[S, C, 2]`,
+      `[S, 5]`, the seed).
+    table: `[S, C, D]`, the device's shards.
+    slots: The optimizer slots, each `[S, C, w]`.
+    buffers: The local `(row_pointers, embedding_ids, sample_ids, gains)`,
+      ids being places (`host.hashed_ids`).
+    words: The local `hashed_ids`, int32 `[S * N * cap * 3]`.
+    step: int32, the step.
+    train: Insert and evict, or only look up.
+
+  Returns:
+    `(stack_map, table, slots, embedding_ids)`: the ids now rows (places
+    of refused or unseen ids `PAD_ID`: they read zero and are not
+    updated).
+  """
+  g, s, axis = topo.num_devices, topo.num_sc_per_device, topo.axis
+  n, capacity = g * s, stack.rows_per_shard
+  cap = stack.unique_window // s
+  sent = words.reshape(s, g, s, cap, hashed.KEY_WORDS)
+  got = (
+    jax.lax.all_to_all(sent, axis, 1, 1, tiled=True) if g > 1 else sent
+  )  # [segment, source device, own shard, place, word]
+  per_shard = got.transpose(2, 1, 0, 3, 4).reshape(s, -1, hashed.KEY_WORDS)
+  eviction = stack.hashed.eviction
+  resolved = jax.vmap(
+    lambda w, m: resolve_shard(w, m, step, eviction=eviction, train=train)
+  )(per_shard, ShardMap(stack_map.ids, stack_map.seen))
+  if train:
+    table, slots = _reset(
+      stack,
+      table,
+      slots,
+      resolved.slots,
+      resolved.reset,
+      per_shard,
+      stack_map.seed,
+    )
+  back = resolved.slots.reshape(s, g, s, cap).transpose(2, 1, 0, 3)
+  if g > 1:
+    back = jax.lax.all_to_all(back, axis, 1, 1, tiled=True)
+  rows = back.reshape(s, n, cap)  # [segment, partition, place]
+
+  rp, ids, sids, _ = buffers
+  shape = own_buffer_shape(stack, g, s)
+  valid, table_row, _ = reference.decode_entries(rp, ids, sids, shape)
+  valid, table_row = valid.reshape(-1), table_row.reshape(-1)
+  segment = jnp.arange(valid.size, dtype=jnp.int32) // shape.seg_len
+  part = jnp.minimum(table_row // capacity, n - 1)
+  place = table_row % capacity
+  row = rows[segment, part, jnp.minimum(place, cap - 1)]
+  row = jnp.where((place < cap) & (row >= 0), row, buffer_format.PAD_ID)
+  new_ids = jnp.where(valid, row, ids)
+  new_map = StackMap(
+    resolved.map.ids,
+    resolved.map.seen,
+    add_counters(stack_map.counters, resolved.counts),
+    stack_map.seed,
+  )
+  return new_map, table, slots, new_ids
+
+
+def hashed_stacks(plan: Plan) -> list[Any]:
+  """The plan's stacks of hashed tables."""
+  return [stack for stack in plan.stacks if stack.hashed is not None]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3, 4))
+def _resolve(static, train, maps, tables, slots, inputs, step):
+  plan, topo = static
+  stacks = hashed_stacks(plan)
+
+  def body(maps, tables, slots, inputs, step):
+    out = ({}, {}, {}, {})
+    for stack in stacks:
+      name = stack.name
+      buffers = (
+        inputs.lhs_row_pointers[name],
+        inputs.lhs_embedding_ids[name],
+        inputs.lhs_sample_ids[name],
+        inputs.lhs_gains[name],
+      )
+      parts = local_resolve(
+        stack,
+        topo,
+        maps[name],
+        tables[name] if train else None,
+        slots[name] if train else (),
+        buffers,
+        inputs.hashed_ids[name],
+        step,
+        train,
+      )
+      for o, part in zip(out, parts, strict=True):
+        o[name] = part
+    if not train:
+      return out[0], out[3]
+    return out
+
+  axis = P(topo.axis)
+  map_spec = StackMap(axis, axis, axis, P())
+  names = [stack.name for stack in stacks]
+  in_specs = (
+    {k: map_spec for k in names},
+    {k: axis for k in tables},
+    {k: tuple(axis for _ in v) for k, v in slots.items()},
+    jax.tree.map(lambda _: axis, inputs),
+    P(),
+  )
+  out_specs = (
+    {k: map_spec for k in names},
+    *((in_specs[1], in_specs[2]) if train else ()),
+    {k: axis for k in names},
+  )
+  out = jax.shard_map(
+    body,
+    mesh=topo.mesh,
+    in_specs=in_specs,
+    out_specs=out_specs,
+    check_vma=False,
+  )(maps, tables, slots, inputs, step)
+  new_maps, new_ids = out[0], out[-1]
+  resolved = dataclasses.replace(
+    inputs,
+    lhs_embedding_ids={**inputs.lhs_embedding_ids, **new_ids},
+    hashed_ids=None,
+    # It restates the places, not the rows (`host.sample_order`).
+    sample_order=None,
+  )
+  if train:
+    return new_maps, out[1], out[2], resolved
+  return new_maps, tables, slots, resolved
+
+
+def resolve(
+  plan: Plan,
+  topology: Topology,
+  maps: dict[str, StackMap],
+  tables: dict[str, jax.Array],
+  slots: dict[str, tuple[jax.Array, ...]],
+  inputs: PreprocessedInput,
+  step: jax.Array | int,
+  *,
+  train: bool,
+) -> tuple[Any, Any, Any, PreprocessedInput]:
+  """Every hashed stack's ids resolved to rows on their owners.
+
+  In training (`train`), unseen ids are inserted (evicting by policy) and
+  their rows and optimizer slots reset; in inference, unseen ids read a
+  zero row and are counted. Donate `maps`, `tables` and `slots` (they are
+  updated in place; the caller keeps the results).
+
+  Args:
+    plan: The plan of the layer's specs on the topology.
+    topology: Mesh, sharding axis, SparseCores per device.
+    maps: Hashed stack name -> its `StackMap`.
+    tables: Hashed stack name -> its table `[N, C, D]`.
+    slots: Hashed stack name -> its optimizer slots.
+    inputs: Buffers from `preprocess` (with `hashed_ids`).
+    step: The training step.
+    train: Insert (training) or only look up (inference).
+
+  Returns:
+    `(maps, tables, slots, inputs)`: the inputs' hashed stacks' ids are
+    rows and they carry no `hashed_ids` (other stacks as they were).
+  """
+  return _resolve(
+    (plan, topology),
+    bool(train),
+    maps,
+    tables,
+    slots,
+    inputs,
+    jnp.asarray(step, jnp.int32),
+  )

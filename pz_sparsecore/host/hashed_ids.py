@@ -1,0 +1,207 @@
+"""Raw ids of hashed tables, made into buffers the preprocessor reads.
+
+A hashed table (`core.hashed`) takes any int64 id (uint64 ids are read as
+their 64-bit words) or strings / bytes (`hashed.string_ids`), in every
+input form of `ragged_input` and `coo_input`. Before the usual
+preprocessing, each of its features' ids is replaced by its *place*: ids
+go to their owner shard `p` (`hashed.owners`); among the distinct ids one
+local SparseCore sends to `p` (all features of the stack together, in
+ascending order of the id as an unsigned word), an id's place is its rank
+`r`. The feature then reads as a table of range ids whose id `r * N + p`
+(less the table's rotation) lies in partition `p` at local row `r`, so the
+preprocessor sorts, merges, limits and counts exactly as for any table:
+`max_unique_ids_per_partition` bounds the distinct raw ids.
+
+The ids themselves travel in `PreprocessedInput.hashed_ids`: per local
+SparseCore `k`, partition `p` and place `r < cap` (`cap =
+r8(max_unique_ids_per_partition)`) the id's low and high words and its
+home slot on `p` (`hashed.homes`), `[0, 0, -1]` for no id. On the device
+(`device.hashed`) the owners find or give each id a row and the places are
+replaced by those rows.
+
+Example: N = 2, one SparseCore per device, one local device, `cap` 8.
+Ids `[[90, -4], [90]]` with owners 90 -> 1, -4 -> 1: partition 1 gets the
+distinct ids `-4, 90` (as unsigned words 90 < 2**64 - 4), places 0 and 1;
+the batch reads `[[1 * 2 + 1, 0 * 2 + 1], [3]]`, and `hashed_ids[0, 1]` holds
+the words of 90 at place 1 and of -4 at place 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pz_sparsecore.core import hashed
+from pz_sparsecore.core import plan as plan_lib
+from pz_sparsecore.host import ragged_input
+
+
+def _string_leaf(leaf: Any) -> Any:
+  """`leaf` with strings / bytes replaced by their ids (other leaves as
+  they are)."""
+  if isinstance(leaf, tuple) and len(leaf) == 2:
+    values = np.asarray(leaf[0])
+    if values.dtype.kind in "USO" and values.size:
+      return (_strings(values), leaf[1])
+    return leaf
+  if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "US":
+    return _strings(leaf)
+  if isinstance(leaf, np.ndarray) and leaf.dtype == object:
+    if leaf.ndim == 2:
+      return _strings(leaf) if _is_text(leaf.flat[0]) else leaf
+    return np.array([_row(row) for row in leaf] + [None], dtype=object)[:-1]
+  if isinstance(leaf, list):
+    return [_row(row) for row in leaf]
+  return leaf
+
+
+def _is_text(x: Any) -> bool:
+  return isinstance(x, (str, bytes, np.str_, np.bytes_))
+
+
+def _row(row: Any) -> Any:
+  array = np.asarray(row)
+  if array.dtype.kind in "US" or (
+    array.dtype == object and array.size and _is_text(array.flat[0])
+  ):
+    return _strings(array)
+  return row
+
+
+def _strings(values: np.ndarray) -> np.ndarray:
+  values = np.asarray(values)
+  bad = [x for x in values.flat if not _is_text(x)][:1]
+  if bad:
+    raise ValueError(
+      f"mixed strings and {type(bad[0]).__name__} ids ({bad[0]!r})"
+    )
+  return hashed.string_ids(values.flat).reshape(values.shape)
+
+
+def raw_ids(name: str, leaf: Any) -> ragged_input.Ragged:
+  """One hashed feature's ids as int64 values and row splits.
+
+  Raises:
+    ValueError: Naming the feature, for ids that are neither integers nor
+      strings / bytes, or a malformed batch.
+  """
+  try:
+    leaf = _string_leaf(leaf)
+  except ValueError as e:
+    raise ValueError(f"feature {name!r}: {e}") from None
+  ids = ragged_input.to_ragged(name, leaf, "ids")
+  values = np.asarray(ids.values)
+  if values.size and values.dtype.kind not in "iu":
+    raise ValueError(
+      f"feature {name!r}: ids of a hashed table must be integers or "
+      f"strings / bytes, got dtype {values.dtype}"
+    )
+  if values.dtype == np.uint64:
+    values = values.view(np.int64)
+  return ragged_input.Ragged(values.astype(np.int64, copy=False), ids.splits)
+
+
+def prepare(
+  plan: plan_lib.Plan,
+  leaves: dict[str, tuple[Any, Any]],
+  local_device_count: int,
+) -> tuple[dict[str, tuple[Any, Any]], dict[str, np.ndarray] | None]:
+  """Replaces the hashed features' ids by their places.
+
+  Args:
+    plan: The plan.
+    leaves: Feature name -> (ids, weights or None), as `fill` takes them.
+    local_device_count: Devices of this process.
+
+  Returns:
+    The leaves with each hashed feature's ids as `(places, row_splits)`
+    (weights as `(values, row_splits)`), and per hashed stack its
+    `hashed_ids`, int32 `[L * H_dev]` (None without hashed stacks).
+
+  Raises:
+    ValueError: Naming the feature, on a malformed batch, or if one
+      SparseCore sends one shard more distinct ids than the shard's rows.
+  """
+  stacks = [s for s in plan.stacks if s.hashed is not None]
+  if not stacks:
+    return leaves, None
+  leaves = dict(leaves)
+  out = {}
+  for stack in stacks:
+    out[stack.name] = _prepare_stack(plan, stack, leaves, local_device_count)
+  return leaves, out
+
+
+def _prepare_stack(plan, stack, leaves, local: int) -> np.ndarray:
+  n, s = plan.num_shards, plan.num_sc_per_device
+  capacity, cap = stack.rows_per_shard, stack.unique_window // s
+  features = list(stack.features)
+  ids, segments = [], []
+  for f in features:
+    id_leaf, weight_leaf = leaves[f.name]
+    [id_leaf], [weight_leaf] = ragged_input.convert_formats(
+      [f], [id_leaf], [weight_leaf]
+    )
+    ragged = raw_ids(f.name, id_leaf)
+    want = local * s * f.samples_per_sc
+    if ragged.num_rows != want:
+      raise ValueError(
+        f"feature {f.name!r}: {ragged.num_rows} samples in this process's "
+        f"batch, its {local} devices x {s} SparseCores take {want}"
+      )
+    rows = np.arange(ragged.num_rows, dtype=np.int64) // f.samples_per_sc
+    segments.append(np.repeat(rows, np.diff(ragged.splits)))
+    ids.append(ragged)
+    if weight_leaf is not None:
+      weight = ragged_input.to_ragged(f.name, weight_leaf, "weights")
+      weight_leaf = (weight.values, weight.splits)
+    leaves[f.name] = (ragged, weight_leaf)
+  values = np.concatenate([r.values for r in ids])
+  segment = np.concatenate(segments)
+  owner = hashed.owners(values, n)
+  group = segment * n + owner
+  words = values.view(np.uint64)
+  order = np.lexsort((words, group))
+  g, w = group[order], words[order]
+  new = np.ones(len(g), bool)
+  new[1:] = (g[1:] != g[:-1]) | (w[1:] != w[:-1])
+  starts = np.ones(len(g), bool)
+  starts[1:] = g[1:] != g[:-1]
+  unique = np.cumsum(new) - 1
+  rank_sorted = unique - np.maximum.accumulate(np.where(starts, unique, 0))
+  rank = np.empty_like(rank_sorted)
+  rank[order] = rank_sorted
+  _check_ranks(features, ids, rank, owner, capacity)
+
+  at = 0
+  for f, ragged in zip(features, ids, strict=True):
+    end = at + len(ragged.values)
+    places = rank[at:end] * n + (owner[at:end] - f.shard_rotation) % n
+    leaves[f.name] = ((places, ragged.splits), leaves[f.name][1])
+    at = end
+
+  table = np.zeros((local * s, n, cap, hashed.KEY_WORDS), np.int32)
+  table[..., 2] = -1
+  keep = new & (rank_sorted < cap)
+  kept = values[order][keep]
+  lo, hi = hashed.key_words(kept)
+  where = (g[keep] // n, g[keep] % n, rank_sorted[keep])
+  table[where] = np.stack([lo, hi, hashed.homes(kept, capacity)], -1)
+  return table.reshape(-1)
+
+
+def _check_ranks(features, ids, rank, owner, capacity: int) -> None:
+  """Raises if some SparseCore sends a shard more distinct ids than it has
+  rows."""
+  if not len(rank) or rank.max() < capacity:
+    return
+  at = int(np.argmax(rank >= capacity))
+  for f, ragged in zip(features, ids, strict=True):
+    if at < len(ragged.values):
+      raise ValueError(
+        f"feature {f.name!r}: one SparseCore's batch sends shard "
+        f"{int(owner[at])} more distinct ids than its {capacity} rows; "
+        "raise the table's vocabulary_size (its capacity) or split the batch"
+      )
+    at -= len(ragged.values)

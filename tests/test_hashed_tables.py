@@ -1,0 +1,489 @@
+"""Hashed tables end to end: raw ids in, trained rows out.
+
+The reference is independent of the layer: `hashed_model.ShardModel` (a
+plain-Python model of each shard's map, fed every step's distinct ids of
+the shard, owners from `core.hashed.owners`) says which id holds which
+slot, and a dict id -> row (and optimizer state) trained with NumPy says
+what the rows hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import hashed_model
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+from penzai import pz
+
+import pz_sparsecore as pzsc
+from pz_sparsecore.core import hashed
+from pz_sparsecore.nn.tables import slot_arrays, table_arrays
+
+B, K, D = 16, 3, 8
+LR = 0.5
+
+
+def mesh_of(g: int) -> Mesh:
+  return Mesh(np.array(jax.devices()[:g]), ("d",))
+
+
+def table_spec(capacity, eviction="lru", optimizer=None, dtype=jnp.float32):
+  return pzsc.TableSpec(
+    name="users",
+    vocabulary_size=capacity,
+    embedding_dim=D,
+    initializer=jax.nn.initializers.normal(0.1),
+    optimizer=optimizer or pzsc.SGDOptimizerSpec(learning_rate=LR),
+    combiner="sum",
+    ids="hashed",
+    eviction=eviction,
+    dtype=dtype,
+  )
+
+
+def build(g, capacity, eviction="lru", s=1, optimizer=None, seed=0):
+  spec = pzsc.FeatureSpec(
+    name="u",
+    table_spec=table_spec(capacity, eviction, optimizer),
+    input_shape=(B, K),
+    output_shape=(B, D),
+  )
+  return pzsc.SparseCoreEmbed.from_config(
+    "e", jax.random.key(seed), {"u": spec}, mesh_of(g), num_sc_per_device=s
+  )
+
+
+@pz.pytree_dataclass
+class Model(pz.nn.Layer):
+  embed: pzsc.SparseCoreEmbed
+
+  def __call__(self, inputs, **side_inputs):
+    return self.embed(inputs)
+
+
+def loss_fn(*, model, state, rng, inputs, g):
+  del rng
+  acts = model(inputs)["u"].unwrap("batch", "embedding")
+  loss = jnp.sum(acts * g)
+  return loss, state, {"loss": loss}
+
+
+def trainer_of(embed):
+  return pzsc.SparseCoreTrainer.build(
+    jax.random.key(1), Model(embed=embed), optax.sgd(0.1), loss_fn
+  )
+
+
+class Reference:
+  """The maps (one `ShardModel` per shard) and the rows of each id."""
+
+  def __init__(self, embed, eviction, adagrad=None):
+    stack = embed.config.plan.stacks[0]
+    self.stack = stack
+    self.n = embed.config.plan.num_shards
+    self.capacity = stack.rows_per_shard
+    self.eviction = hashed.as_eviction("users", eviction)
+    self.seed = jnp.asarray(np.asarray(embed.maps["users"]["seed"].value))
+    self.shards = [
+      hashed_model.ShardModel(self.capacity) for _ in range(self.n)
+    ]
+    self.rows, self.acc = {}, {}
+    self.adagrad = adagrad  # (lr, initial accumulator) or None: SGD.
+    self.counters = np.zeros(len(hashed.COUNTERS), np.int64)
+
+  def initial_row(self, x: int) -> np.ndarray:
+    # The initializer drawn with the seed folded with the id's words.
+    key = jax.random.wrap_key_data(self.seed)
+    lo, hi = hashed.key_words(np.array([x], np.int64))
+    key = jax.random.fold_in(jax.random.fold_in(key, lo[0]), hi[0])
+    return np.asarray(
+      jax.nn.initializers.normal(0.1)(key, (1, D), jnp.float32)
+    )[0]
+
+  def resolve(self, ids: np.ndarray, step: int, train: bool) -> set[int]:
+    """The ids holding a row after the step's map calls."""
+    flat = ids.reshape(-1)
+    owner = hashed.owners(flat, self.n)
+    held = set()
+    for p in range(self.n):
+      distinct = np.unique(flat[owner == p])
+      if not len(distinct):
+        continue
+      got = self.shards[p].call(
+        hashed_model.shard_input(distinct, self.capacity),
+        step,
+        self.eviction,
+        train,
+      )
+      slots, reset, counts = got
+      self.counters += np.asarray(counts)
+      for x, slot, new in zip(distinct, slots, reset, strict=True):
+        if slot < 0:
+          continue
+        held.add(int(x))
+        if new:
+          self.rows[int(x)] = self.initial_row(int(x))
+          self.acc[int(x)] = (
+            np.full(D, self.adagrad[1], np.float32) if self.adagrad else None
+          )
+    return held
+
+  def forward(self, ids: np.ndarray, held: set[int]) -> np.ndarray:
+    acts = np.zeros((len(ids), D), np.float32)
+    for b, row in enumerate(ids):
+      for x in row:
+        if int(x) in held:
+          acts[b] += self.rows[int(x)]
+    return acts
+
+  def train(self, ids: np.ndarray, g: np.ndarray, step: int) -> float:
+    held = self.resolve(ids, step, True)
+    loss = float(np.sum(self.forward(ids, held) * g))
+    grads = {}
+    for b, row in enumerate(ids):
+      for x in row:
+        if int(x) in held:
+          grads[int(x)] = grads.get(int(x), 0) + g[b]
+    for x, grad in grads.items():
+      if self.adagrad is None:
+        self.rows[x] = self.rows[x] - LR * grad
+      else:
+        self.acc[x] = self.acc[x] + grad * grad
+        self.rows[x] = self.rows[x] - self.adagrad[0] * grad / np.sqrt(
+          self.acc[x]
+        )
+    return loss
+
+
+def check_state(embed, ref: Reference, atol=1e-5):
+  """The layer's maps equal the reference's; each held id's row (and
+  accumulator) equals its reference row."""
+  parts = embed.maps["users"]
+  ids = np.asarray(parts["ids"].value)
+  seen = np.asarray(parts["seen"].value)
+  table = np.asarray(table_arrays(embed)["users"])
+  slots = slot_arrays(embed)["users"]
+  for p, shard in enumerate(ref.shards):
+    np.testing.assert_array_equal(ids[p], shard.ids)
+    np.testing.assert_array_equal(seen[p], shard.seen)
+    for c in np.flatnonzero(shard.seen[:, 0] != hashed.EMPTY):
+      x = int(hashed.ids_of_words(shard.ids[c, :1], shard.ids[c, 1:])[0])
+      np.testing.assert_allclose(table[p, c], ref.rows[x], atol=atol)
+      if ref.adagrad:
+        np.testing.assert_allclose(
+          np.asarray(slots[0])[p, c], ref.acc[x], rtol=1e-5
+        )
+  np.testing.assert_array_equal(
+    np.asarray(parts["counters"].value).sum(0), ref.counters
+  )
+
+
+def stream(seed: int, pool_size: int, steps: int):
+  rng = np.random.default_rng(seed)
+  pool = rng.integers(-(2**63), 2**63 - 1, size=pool_size, dtype=np.int64)
+  pool[:3] = [-1, 0, 2**63 - 1]
+  for _ in range(steps):
+    ids = pool[rng.integers(0, pool_size, size=(B, K))]
+    ids[1] = ids[0]  # Duplicates across samples.
+    yield ids, rng.normal(size=(B, D)).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+  "g,s,capacity,pool,eviction",
+  [
+    (1, 1, 64, 40, "lru"),  # Room for every id: no eviction.
+    (8, 1, 64, 160, "lru"),  # 8 rows per shard: evictions.
+    (4, 2, 64, 160, "lru"),  # The same 8 shards on another topology.
+    (2, 1, 32, 80, hashed.Eviction("lfu", decay_steps=2)),
+    (4, 1, 64, 120, hashed.Eviction("ttl", ttl_steps=1)),
+    (4, 1, 32, 60, "none"),  # Full shards refuse new ids.
+  ],
+)
+def test_trainer_matches_reference(g, s, capacity, pool, eviction):
+  embed = build(g, capacity, eviction, s=s)
+  ref = Reference(embed, eviction)
+  trainer = trainer_of(embed)
+  for step, (ids, g_acts) in enumerate(stream(3, pool, 6)):
+    inputs, _ = trainer.model.embed.preprocess({"u": ids})
+    aux = trainer.step(inputs=inputs, g=jnp.asarray(g_acts))
+    np.testing.assert_allclose(
+      float(aux["loss"]), ref.train(ids, g_acts, step), rtol=1e-5, atol=1e-4
+    )
+  check_state(trainer.model.embed, ref)
+  counters = ref.counters
+  if pool <= capacity:
+    assert counters[2] == 0 and counters[3] == 0  # evicted, refused
+  elif eviction == "none":
+    assert counters[2] == 0 and counters[3] > 0
+  else:
+    assert counters[2] > 0
+
+
+def test_same_shards_train_alike_on_any_topology():
+  """8 shards on 8 x 1 and 4 x 2 devices: the same maps and rows."""
+  results = []
+  for g, s in ((8, 1), (4, 2), (2, 4)):
+    trainer = trainer_of(build(g, 64, "lru", s=s))
+    for ids, g_acts in stream(5, 160, 5):
+      inputs, _ = trainer.model.embed.preprocess({"u": ids})
+      trainer.step(inputs=inputs, g=jnp.asarray(g_acts))
+    embed = trainer.model.embed
+    results.append(
+      [np.asarray(embed.maps["users"][p].value) for p in ("ids", "seen")]
+      + [np.asarray(table_arrays(embed)["users"])]
+    )
+  for other in results[1:]:
+    for a, b in zip(results[0], other, strict=True):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_evicted_ids_start_afresh_with_their_optimizer_slots():
+  adagrad = pzsc.AdagradOptimizerSpec(learning_rate=0.3)
+  embed = build(4, 32, "lru", optimizer=adagrad)
+  ref = Reference(embed, "lru", adagrad=(0.3, 0.1))
+  trainer = trainer_of(embed)
+  for step, (ids, g_acts) in enumerate(stream(7, 90, 6)):
+    inputs, _ = trainer.model.embed.preprocess({"u": ids})
+    trainer.step(inputs=inputs, g=jnp.asarray(g_acts))
+    ref.train(ids, g_acts, step)
+  assert ref.counters[2] > 0
+  check_state(trainer.model.embed, ref)
+
+
+def test_same_stream_same_bits():
+  def run():
+    trainer = trainer_of(build(4, 32, "lfu"))
+    for ids, g_acts in stream(9, 100, 4):
+      inputs, _ = trainer.model.embed.preprocess({"u": ids})
+      trainer.step(inputs=inputs, g=jnp.asarray(g_acts))
+    embed = trainer.model.embed
+    return [np.asarray(v.value) for v in embed.maps["users"].values()] + [
+      np.asarray(table_arrays(embed)["users"])
+    ]
+
+  for a, b in zip(run(), run(), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_inference_reads_held_rows_and_counts_unseen():
+  trainer = trainer_of(build(2, 64, "lru"))
+  ((ids, g_acts),) = stream(11, 30, 1)
+  inputs, _ = trainer.model.embed.preprocess({"u": ids})
+  trainer.step(inputs=inputs, g=jnp.asarray(g_acts))
+  embed = trainer.model.embed
+  before = [np.asarray(v.value) for v in embed.maps["users"].values()]
+  table_before = np.asarray(table_arrays(embed)["users"])
+  fresh = ids.copy()
+  fresh[:, 0] = np.arange(B) + 10**12  # Never seen.
+  inputs, _ = embed.preprocess({"u": fresh})
+  acts = np.asarray(embed(inputs)["u"].unwrap("batch", "embedding"))
+  # Each sample's known ids, through the map the model holds.
+  ref = Reference(embed, "lru")
+  stack = embed.config.plan.stacks[0]
+  table = table_before
+  owner = hashed.owners(fresh.reshape(-1), ref.n).reshape(fresh.shape)
+  for b in range(B):
+    want = np.zeros(D, np.float32)
+    for x, p in zip(fresh[b], owner[b], strict=True):
+      lo, hi = hashed.key_words(np.array([x]))
+      row = np.flatnonzero(
+        (before[0][p, :, 0] == lo[0])
+        & (before[0][p, :, 1] == hi[0])
+        & (before[1][p, :, 0] != hashed.EMPTY)
+      )
+      if len(row):
+        want += table[p, row[0]]
+    np.testing.assert_allclose(acts[b], want, atol=1e-6)
+  after = [np.asarray(v.value) for v in embed.maps["users"].values()]
+  for part, a, b in zip(embed.maps["users"], before, after, strict=True):
+    if part == "counters":
+      assert b[:, 4].sum() - a[:, 4].sum() == B  # unseen
+      np.testing.assert_array_equal(a[:, :4], b[:, :4])
+    else:
+      np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(
+    np.asarray(table_arrays(embed)["users"]), table_before
+  )
+  del stack
+
+
+def test_hand_written_step_equals_trainer():
+  ids_g = list(stream(13, 50, 3))
+  trainer = trainer_of(build(4, 64, "lru"))
+  for ids, g_acts in ids_g:
+    inputs, _ = trainer.model.embed.preprocess({"u": ids})
+    trainer.step(inputs=inputs, g=jnp.asarray(g_acts))
+
+  @functools.partial(pzsc.variable_jit, donate_variables=True)
+  def train_step(embed, inputs, g, step):
+    inputs = embed.resolve_ids(inputs, step=step)
+    acts = embed(inputs)["u"]
+    embed.apply_gradients(inputs, {"u": g}, step)
+    return acts
+
+  embed = build(4, 64, "lru")
+  for step, (ids, g_acts) in enumerate(ids_g):
+    inputs, _ = embed.preprocess({"u": ids})
+    train_step(embed, inputs, jnp.asarray(g_acts), step)
+  for part in ("ids", "seen", "counters"):
+    np.testing.assert_array_equal(
+      np.asarray(embed.maps["users"][part].value),
+      np.asarray(trainer.model.embed.maps["users"][part].value),
+    )
+  np.testing.assert_allclose(
+    np.asarray(table_arrays(embed)["users"]),
+    np.asarray(table_arrays(trainer.model.embed)["users"]),
+    atol=1e-6,
+  )
+
+
+def test_input_forms_and_strings_give_the_same_rows():
+  embed = build(2, 64, "lru")
+  words = np.array([f"user-{i}" for i in range(B * K)]).reshape(B, K)
+  as_ids = hashed.string_ids(words.reshape(-1)).reshape(B, K)
+
+  def acts(features):
+    inputs, _ = embed.preprocess({"u": features})
+    resolved = embed.resolve_ids(inputs, step=0)
+    return np.asarray(embed(resolved)["u"].unwrap("batch", "embedding"))
+
+  want = acts(as_ids)
+  for form in (
+    words,
+    words.astype(np.bytes_),
+    [list(row) for row in words],
+    np.array([np.array(row) for row in words] + [None], object)[:-1],
+    (as_ids.reshape(-1), np.arange(B + 1) * K),
+    as_ids.view(np.uint64),
+  ):
+    np.testing.assert_array_equal(acts(form), want)
+
+
+@pytest.mark.parametrize(
+  "features,match",
+  [
+    (np.full((B, K), 1.5), "'u'.*integers or strings"),
+    (np.array([["a", None, "b"]] * B, object), "'u'.*mixed strings"),
+  ],
+)
+def test_bad_ids_are_refused_naming_the_feature(features, match):
+  embed = build(2, 64, "lru")
+  with pytest.raises(ValueError, match=match):
+    embed.preprocess({"u": features})
+  # The next batch works.
+  ids = np.arange(B * K, dtype=np.int64).reshape(B, K)
+  inputs, _ = embed.preprocess({"u": ids})
+  embed.resolve_ids(inputs, step=0)
+
+
+def test_refusals():
+  with pytest.raises(ValueError, match="eviction is for hashed tables"):
+    pzsc.TableSpec(
+      name="t",
+      vocabulary_size=8,
+      embedding_dim=4,
+      initializer=jax.nn.initializers.zeros,
+      optimizer=pzsc.SGDOptimizerSpec(),
+      combiner="sum",
+      eviction="lru",
+    )
+  with pytest.raises(ValueError, match="ids must be one of"):
+    dataclasses.replace(table_spec(8), ids="raw")
+  embed = build(1, 8, "lru")
+  ids = np.arange(B * K, dtype=np.int64).reshape(B, K)
+  with pytest.raises(ValueError, match="more distinct ids than its 8 rows"):
+    embed.preprocess({"u": ids})
+  embed = build(2, 64, "lru")
+  inputs, _ = embed.preprocess({"u": ids})
+  with pytest.raises(ValueError, match="resolve them first"):
+    embed.apply_gradients(inputs, {"u": jnp.zeros((B, D))}, 0)
+  with pytest.raises(ValueError, match="minibatching"):
+    embed.preprocess({"u": ids}, enable_minibatching=True)
+  spec = pzsc.FeatureSpec(
+    name="u",
+    table_spec=table_spec(64),
+    input_shape=(B, K),
+    output_shape=(B, D),
+  )
+  with pytest.raises(ValueError, match="cannot be replicated"):
+    pzsc.SparseCoreEmbed.from_config(
+      "e",
+      jax.random.key(0),
+      {"u": spec},
+      mesh_of(2),
+      placement={"users": "replicated"},
+    )
+  other = dataclasses.replace(
+    table_spec(64), name="items", ids="range", eviction=None
+  )
+  specs = {
+    "u": spec,
+    "i": pzsc.FeatureSpec(
+      name="i", table_spec=other, input_shape=(B, K), output_shape=(B, D)
+    ),
+  }
+  with pytest.raises(ValueError, match="cannot share a stack"):
+    pzsc.stack_tables(specs, ["users", "items"], 2, 1)
+  # Auto stacking keeps the hashed table alone.
+  embed = pzsc.SparseCoreEmbed.from_config(
+    "e", jax.random.key(0), specs, mesh_of(2)
+  )
+  assert sorted(s.name for s in embed.config.plan.stacks) == ["items", "users"]
+
+
+def test_logical_tables_give_ids_and_rows_and_checkpoints_keep_them(tmp_path):
+  trainer = trainer_of(build(4, 64, "lru"))
+  batches = list(stream(17, 120, 5))
+  for ids, g_acts in batches[:3]:
+    inputs, _ = trainer.model.embed.preprocess({"u": ids})
+    trainer.step(inputs=inputs, g=jnp.asarray(g_acts))
+  embed = trainer.model.embed
+  held = pzsc.logical_tables(embed)["users"]
+  assert isinstance(held, pzsc.HashedRows)
+  parts = {k: np.asarray(v.value) for k, v in embed.maps["users"].items()}
+  table = np.asarray(table_arrays(embed)["users"])
+  assert len(held.ids) == int(parts["counters"][:, 0].sum())
+  assert np.all(np.diff(held.ids) > 0)
+  for x, row, p, c in zip(
+    held.ids, held.rows, held.shards, held.slots, strict=True
+  ):
+    assert hashed.owners(np.array([x]), 4)[0] == p
+    lo, hi = hashed.key_words(np.array([x]))
+    assert tuple(parts["ids"][p, c]) == (lo[0], hi[0])
+    np.testing.assert_array_equal(row, table[p, c])
+  named = pzsc.logical_tables(embed, named=True)["users"]
+  assert named.rows.named_shape == {"id": len(held.ids), "embedding": D}
+  with pytest.raises(ValueError, match="is hashed"):
+    pzsc.set_logical_tables(embed, {"users": np.zeros((64, D))})
+
+  # Saved, restored into a fresh layer, trained on: the same as training on.
+  pzsc.save_checkpoint(tmp_path / "ckpt", trainer, step=3)
+  for ids, g_acts in batches[3:]:
+    inputs, _ = trainer.model.embed.preprocess({"u": ids})
+    trainer.step(inputs=inputs, g=jnp.asarray(g_acts))
+  other = trainer_of(build(4, 64, "lru", seed=5))
+  other = pzsc.restore_checkpoint(tmp_path / "ckpt", other)
+  restored = pzsc.logical_tables(other.model.embed)["users"]
+  np.testing.assert_array_equal(restored.ids, held.ids)
+  np.testing.assert_array_equal(restored.rows, held.rows)
+  for ids, g_acts in batches[3:]:
+    inputs, _ = other.model.embed.preprocess({"u": ids})
+    other.step(inputs=inputs, g=jnp.asarray(g_acts))
+  for part in ("ids", "seen", "counters", "seed"):
+    np.testing.assert_array_equal(
+      np.asarray(other.model.embed.maps["users"][part].value),
+      np.asarray(trainer.model.embed.maps["users"][part].value),
+    )
+  np.testing.assert_array_equal(
+    np.asarray(table_arrays(other.model.embed)["users"]),
+    np.asarray(table_arrays(trainer.model.embed)["users"]),
+  )
