@@ -169,7 +169,7 @@ class ShardModel:
     if not train:
       counts[UNSEEN] = len(misses)
     else:
-      for key, slot in slot_of.items():
+      for slot in slot_of.values():
         last, count = int(self.seen[slot, 0]), int(self.seen[slot, 1])
         count = decayed(count, last, step, eviction.decay_steps)
         self.seen[slot] = (step, min(count + 1, INT32_MAX))

@@ -487,3 +487,22 @@ def test_logical_tables_give_ids_and_rows_and_checkpoints_keep_them(tmp_path):
     np.asarray(table_arrays(other.model.embed)["users"]),
     np.asarray(table_arrays(trainer.model.embed)["users"]),
   )
+
+
+def test_describe_and_pictures_show_the_map():
+  trainer = trainer_of(build(4, 64, "lru"))
+  for ids, g_acts in stream(17, 120, 3):
+    inputs, _ = trainer.model.embed.preprocess({"u": ids})
+    trainer.step(inputs=inputs, g=jnp.asarray(g_acts))
+  embed = trainer.model.embed
+  counters = np.asarray(embed.maps["users"]["counters"].value).sum(0)
+  text = pzsc.viz.describe(embed)
+  assert "hashed ids, capacity 64 x 8, eviction lru" in text
+  assert f"map: {counters[0]} ids held of 64 rows" in text
+  assert f"{counters[1]} inserted, {counters[2]} evicted, 0 refused" in text
+  html = pzsc.viz.to_html(pzsc.viz.placement_figure(embed, "users"))
+  assert "free slot" in html and "ids held per shard" in html
+  held = np.asarray(embed.maps["users"]["seen"].value)[..., 0] >= 0
+  assert ", ".join(map(str, held.sum(1))) in html
+  # The layer's default view draws it too.
+  assert "ids held per shard" in pzsc.viz.to_html(embed)

@@ -40,12 +40,13 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 import treescope
 from jax.sharding import Mesh
 from treescope import figures, rendering_parts
 
-from pz_sparsecore.core import layout
+from pz_sparsecore.core import hashed, layout
 from pz_sparsecore.core import plan as plan_lib
 from pz_sparsecore.viz._common import device_legend, plan_of
 
@@ -431,12 +432,54 @@ def _notes(grid: PlacementGrid) -> list[str]:
   return notes
 
 
-def _legend(grids: Sequence[PlacementGrid]) -> list[Figure]:
-  """Lines of digitbox swatches: each value's devices, then padding."""
-  labels: dict[int, str] = {}
-  for grid in grids:
-    labels.update(grid.labels)
-  return device_legend(labels, padding=True)
+MAX_HASHED_SLOTS = 256
+"""Slots of each shard a hashed table's picture draws at most."""
+
+
+def _hashed_lines(embed: Any, name: str) -> tuple[list[Any], dict[int, str]]:
+  """A hashed table's heading, rule, picture (per shard its slots, held ones
+  in their device's colour, free ones white) and notes; and its legend's
+  labels. Its ids have no vocabulary order: where each lives is its owner's
+  choice (`core.hashed`)."""
+  plan = embed.config.plan
+  stack = plan.stack_of_table[name]
+  n, s, c = plan.num_shards, plan.num_sc_per_device, stack.rows_per_shard
+  holders, kind = _shard_holders(embed, plan, stack)
+  values, _, labels = _device_values(holders, kind)
+  rule = (
+    f"id x -> shard mix64(x) % {n} -> device shard // {s}; on its shard, "
+    f"the first free of the {hashed.window(c)} slots from (mix64(x) >> 32) "
+    f"% {c}, or an evicted one"
+  )
+  seen = getattr(embed.maps[stack.name]["seen"], "value", None)
+  if not isinstance(seen, (np.ndarray, jax.Array)) or isinstance(
+    seen, jax.core.Tracer
+  ):
+    return [f"hashed table {name!r}: no map values to draw", rule], labels
+  held = np.asarray(seen)[..., 0] != hashed.EMPTY
+  shown = min(c, MAX_HASHED_SLOTS)
+  grid = np.where(
+    held[:, :shown], np.asarray(values)[:, None], PADDING_VALUE
+  ).astype(np.int64)
+  image = treescope.render_array(
+    grid,
+    rows=[0],
+    columns=[1],
+    continuous=False,
+    truncate=False,
+    value_item_labels={**labels, PADDING_VALUE: "free slot"},
+    axis_labels={0: "shard", 1: "slot"},
+    pixels_per_cell=7,
+  )
+  per_shard = held.sum(axis=1)
+  heading = (
+    f"hashed table {name!r} in stack {stack.name!r}: {int(per_shard.sum())} "
+    f"ids held in {n} shards x {c} slots"
+  )
+  notes = [f"ids held per shard: {', '.join(map(str, per_shard))}"]
+  if shown < c:
+    notes.insert(0, f"the first {shown} of the {c} slots of each shard drawn")
+  return [heading, rule, image, *notes], labels
 
 
 def _table_names(plan: plan_lib.Plan, table: str | None) -> list[str]:
@@ -481,19 +524,23 @@ def placement_figure(
   plan = plan_of(embed_or_specs, global_device_count, num_sc_per_device)
   # A layer names its devices; specs are planned once, here.
   source = embed_or_specs if _topology(embed_or_specs) is not None else plan
-  grids = [
-    placement_grid(source, name, columns=columns, max_rows=max_rows)
-    for name in _table_names(plan, table)
-  ]
   parts: list[Any] = []
-  for grid in grids:
+  labels: dict[int, str] = {}
+  for name in _table_names(plan, table):
+    if plan.tables[name].is_hashed and hasattr(source, "maps"):
+      lines, more = _hashed_lines(source, name)
+      parts += [figures.bolded(lines[0]), *lines[1:]]
+      labels.update(more)
+      continue
+    grid = placement_grid(source, name, columns=columns, max_rows=max_rows)
     parts += [
       figures.bolded(_heading(grid)),
       grid.rule(),
       _image(grid, pixels_per_cell),
       *_notes(grid),
     ]
-  parts += _legend(grids)
+    labels.update(grid.labels)
+  parts += device_legend(labels, padding=True)
   return figures.figure_from_treescope_rendering_part(
     rendering_parts.on_separate_lines(
       [figures.treescope_part_from_display_object(p) for p in parts]
@@ -530,11 +577,19 @@ def view_part(
   Returns:
     The block, for `viz.treescope.summarized_node`'s details.
   """
-  names = list(embed.config.plan.tables)
-  grids = [placement_grid(embed, name) for name in names[:MAX_TABLES_IN_VIEW]]
+  tables = embed.config.plan.tables
+  names = list(tables)
   lines: list[Any] = []
-  for grid in grids:
-    lines += [_heading(grid), grid.rule(), _image(grid, 7), *_notes(grid)]
+  labels: dict[int, str] = {}
+  for name in names[:MAX_TABLES_IN_VIEW]:
+    if tables[name].is_hashed:
+      part, more = _hashed_lines(embed, name)
+    else:
+      grid = placement_grid(embed, name)
+      part = [_heading(grid), grid.rule(), _image(grid, 7), *_notes(grid)]
+      more = grid.labels
+    lines += part
+    labels.update(more)
   rest = names[MAX_TABLES_IN_VIEW:]
   if rest:
     where = f"model{path}" if path else "layer"
@@ -542,7 +597,7 @@ def view_part(
       f"{len(rest)} more tables ({rest[0]} to {rest[-1]}): "
       f"pzsc.viz.placement_figure({where}, {rest[0]!r})"
     )
-  lines += _legend(grids)
+  lines += device_legend(labels, padding=True)
   lines = [_comment_line(line) for line in lines]
   # The last line after the others, as a node's closing line: a line break
   # after it would leave a blank line before the next one.
@@ -557,7 +612,7 @@ def view_part(
     label=_comment_line(label),
     contents=rendering_parts.fold_condition(
       collapsed=rendering_parts.comment_color(
-        rendering_parts.text(f" {len(grids)} tables")
+        rendering_parts.text(f" {len(names[:MAX_TABLES_IN_VIEW])} tables")
       ),
       expanded=expanded,
     ),

@@ -64,7 +64,7 @@ from treescope import (
   type_registries,
 )
 
-from pz_sparsecore.core import buffer_format
+from pz_sparsecore.core import buffer_format, hashed
 from pz_sparsecore.core.optimizers import SlotShape
 from pz_sparsecore.core.plan import Plan, StackPlan
 from pz_sparsecore.core.preprocessed import (
@@ -241,12 +241,55 @@ def stack_details(plan: Plan, stack: StackPlan) -> list[str]:
     features = ", ".join(
       f.name for f in plan.feature_specs if f.table_spec.name == table.name
     )
+    if table.is_hashed:
+      lines.append(
+        f"  {table.name}: {hashed_text(table)}, {stack.rows_per_shard} "
+        f"rows per shard, each id on shard mix64(id) % {n}; features "
+        f"{features}"
+      )
+      continue
     lines.append(
       f"  {table.name}: vocab {table.vocabulary_size} x "
       f"{table.embedding_dim}, rows [{start}, {start + rows}) of each shard, "
       f"rotation {setting.shard_rotation}; features {features}"
     )
   return lines
+
+
+def hashed_text(table: TableSpec) -> str:
+  """`hashed ids, capacity C, eviction lru` (and the policy's setting)."""
+  eviction = table.eviction
+  policy = eviction.policy
+  if eviction.ttl_steps is not None:
+    policy += f" after {eviction.ttl_steps} steps unseen"
+  if eviction.decay_steps is not None:
+    policy += f", counts halving every {eviction.decay_steps} steps"
+  return (
+    f"hashed ids, capacity {table.vocabulary_size} x "
+    f"{table.embedding_dim}, eviction {policy}"
+  )
+
+
+def map_lines(embed: Any, stack: str) -> list[str]:
+  """A hashed stack's map: rows held per shard and its counters (nothing
+  if the values are not concrete, e.g. slots or traced)."""
+  counters = getattr(embed.maps[stack]["counters"], "value", None)
+  if not isinstance(counters, (np.ndarray, jax.Array)) or isinstance(
+    counters, jax.core.Tracer
+  ):
+    return []
+  counters = np.asarray(counters, np.int64)
+  capacity = embed.config.plan.stack(stack).rows_per_shard
+  held = counters[:, 0]
+  totals = dict(zip(hashed.COUNTERS, counters.sum(0), strict=True))
+  return [
+    f"  map: {totals['held']} ids held of {capacity * len(held)} rows "
+    f"({totals['held'] / (capacity * len(held)):.1%}), per shard "
+    f"{held.min()}..{held.max()} of {capacity}",
+    f"  since built: {totals['inserted']} inserted, {totals['evicted']} "
+    f"evicted, {totals['refused']} refused (training), {totals['unseen']} "
+    "unseen (inference)",
+  ]
 
 
 def plan_details(plan: Plan) -> list[str]:
@@ -328,6 +371,8 @@ def embed_details(embed: Any) -> list[str]:
     lines += stack_details(plan, stack)
     lines.append(f"  placement: {placement_of(topology, stack.name)}")
     lines.append(f"  exchange: {topology.exchange_of(stack).reason}")
+    if stack.name in getattr(embed, "maps", {}):
+      lines += map_lines(embed, stack.name)
   return lines
 
 
@@ -348,6 +393,8 @@ def spec_summary(spec: Any) -> str:
     )
     if activations := dtype_text(spec.activation_dtype):
       text += f", activations{activations}"
+    if spec.is_hashed:
+      text += f", {hashed_text(spec)}"
     if spec.stacked_table_spec is not None:
       setting = spec.setting_in_stack
       text += (
@@ -665,10 +712,12 @@ def _spec_reference(
 
 
 def _fields(obj: Any, skip_none: Sequence[str] = ()) -> dict[str, Any]:
+  """The dataclass fields of `obj`, less those of `skip_none` that are
+  None or empty (left at their defaults)."""
   return {
     f.name: getattr(obj, f.name)
     for f in dataclasses.fields(obj)
-    if not (f.name in skip_none and getattr(obj, f.name) is None)
+    if not (f.name in skip_none and getattr(obj, f.name) in (None, {}))
   }
 
 
@@ -698,7 +747,7 @@ def render_embed(
     embed,
     embed_summary(embed),
     details,
-    _fields(embed, skip_none=("activation_probe",)),
+    _fields(embed, skip_none=("activation_probe", "maps")),
     path,
     subtree_renderer,
     color=color,
