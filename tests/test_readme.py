@@ -28,6 +28,7 @@ MULTIHOST = DOCS / "multihost.md"
 GPU = DOCS / "gpu.md"
 COMPAT = DOCS / "compat.md"
 ANY_MODEL = DOCS / "any_model.md"
+HASHED = DOCS / "hashed_tables.md"
 
 # Pages with Python blocks -> how many; each is run by a test below.
 RUN_HERE = {
@@ -38,6 +39,7 @@ RUN_HERE = {
   GPU: 1,
   COMPAT: 2,
   ANY_MODEL: 7,
+  HASHED: 4,
 }
 
 
@@ -95,6 +97,31 @@ def test_getting_started_then_concepts_run_top_to_bottom():
   np.testing.assert_array_equal(
     pzsc.logical_tables(resumed.model.embed)["items"], saved
   )
+
+
+def test_hashed_tables_page_runs_top_to_bottom(capsys):
+  """Raw string and int64 ids train a two-tower model whose loss falls;
+  the users' table fills and evicts; the restored model serves without
+  inserting, counting the new users it does not know."""
+  namespace: dict = {}
+  _run(HASHED, namespace)
+  out = capsys.readouterr().out
+  losses = namespace["losses"]
+  assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.03, out
+  pzsc = namespace["pzsc"]
+  trained = namespace["trainer"].model.embed
+  counters = np.asarray(trained.maps["users"]["counters"].value).sum(0)
+  assert counters[0] == 1024 and counters[2] > 0  # full, evicting
+  served = namespace["serving"].embed
+  for name in ("users", "items"):
+    a = pzsc.logical_tables(trained)[name]
+    b = pzsc.logical_tables(served)[name]
+    np.testing.assert_array_equal(a.ids, b.ids)
+    np.testing.assert_array_equal(a.rows, b.rows)
+  after = np.asarray(served.maps["users"]["counters"].value).sum(0)
+  np.testing.assert_array_equal(after[:4], counters[:4])
+  assert after[4] >= 4  # the four new users, unseen
+  assert namespace["scores"].shape == (namespace["BATCH"],)
 
 
 def test_any_model_page_runs_top_to_bottom(capsys):
