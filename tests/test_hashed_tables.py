@@ -506,3 +506,24 @@ def test_describe_and_pictures_show_the_map():
   assert ", ".join(map(str, held.sum(1))) in html
   # The layer's default view draws it too.
   assert "ids held per shard" in pzsc.viz.to_html(embed)
+
+
+def test_restore_onto_other_shards_is_refused_naming_the_stack(tmp_path):
+  trainer = trainer_of(build(4, 64, "lru"))
+  for ids, g_acts in stream(19, 100, 2):
+    inputs, _ = trainer.model.embed.preprocess({"u": ids})
+    trainer.step(inputs=inputs, g=jnp.asarray(g_acts))
+  pzsc.save_checkpoint(tmp_path / "c", trainer, step=2)
+  other = trainer_of(build(8, 64, "lru", seed=3))
+  before = np.asarray(table_arrays(other.model.embed)["users"])
+  with pytest.raises(ValueError, match="hashed stack 'e/users'.*4 shards"):
+    pzsc.restore_checkpoint(tmp_path / "c", other)
+  np.testing.assert_array_equal(
+    np.asarray(table_arrays(other.model.embed)["users"]), before
+  )
+  # The same shards restore.
+  same = pzsc.restore_checkpoint(tmp_path / "c", trainer_of(build(4, 64)))
+  np.testing.assert_array_equal(
+    pzsc.logical_tables(same.model.embed)["users"].ids,
+    pzsc.logical_tables(trainer.model.embed)["users"].ids,
+  )
