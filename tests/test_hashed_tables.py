@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import zlib
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -101,10 +102,13 @@ class Reference:
     self.counters = np.zeros(len(hashed.COUNTERS), np.int64)
 
   def initial_row(self, x: int) -> np.ndarray:
-    # The initializer drawn with the seed folded with the id's words.
+    # The initializer drawn with the seed folded with the table's name's
+    # CRC-32 and the id's words.
     key = jax.random.wrap_key_data(self.seed)
+    crc = np.array([zlib.crc32(b"users")], np.uint32).view(np.int32)[0]
     lo, hi = hashed.key_words(np.array([x], np.int64))
-    key = jax.random.fold_in(jax.random.fold_in(key, lo[0]), hi[0])
+    key = jax.random.fold_in(jax.random.fold_in(key, crc), lo[0])
+    key = jax.random.fold_in(key, hi[0])
     return np.asarray(
       jax.nn.initializers.normal(0.1)(key, (1, D), jnp.float32)
     )[0]
@@ -527,3 +531,71 @@ def test_restore_onto_other_shards_is_refused_naming_the_stack(tmp_path):
     pzsc.logical_tables(same.model.embed)["users"].ids,
     pzsc.logical_tables(trainer.model.embed)["users"].ids,
   )
+
+
+def test_hashed_tables_stack_and_train_as_apart():
+  """Two hashed tables (one read by two features) in one stack: each keeps
+  its own rows of every shard, and trains as it does in a stack of its
+  own (the same ids, slots, steps, counts and rows)."""
+
+  def specs():
+    users, items = (
+      table_spec(64),
+      dataclasses.replace(table_spec(128), name="items"),
+    )
+    shape = {"input_shape": (B, K), "output_shape": (B, D)}
+    return {
+      "u": pzsc.FeatureSpec(name="u", table_spec=users, **shape),
+      "v": pzsc.FeatureSpec(name="v", table_spec=users, **shape),
+      "i": pzsc.FeatureSpec(name="i", table_spec=items, **shape),
+    }
+
+  def loss(*, model, state, rng, inputs, g):
+    del rng
+    acts = model(inputs)
+    total = sum(
+      jnp.sum(acts[k].unwrap("batch", "embedding") * g[j])
+      for j, k in enumerate(("u", "v", "i"))
+    )
+    return total, state, {"loss": total}
+
+  results = []
+  for stacking in ("auto", None):
+    embed = pzsc.SparseCoreEmbed.from_config(
+      "e", jax.random.key(0), specs(), mesh_of(4), stacking=stacking
+    )
+    assert len(embed.config.plan.stacks) == (1 if stacking else 2)
+    trainer = pzsc.SparseCoreTrainer.build(
+      jax.random.key(1), Model(embed=embed), optax.sgd(0.1), loss
+    )
+    rng = np.random.default_rng(23)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=150, dtype=np.int64)
+    for _ in range(5):
+      feats = {k: pool[rng.integers(0, 150, (B, K))] for k in "uvi"}
+      feats["i"][:2] = feats["u"][:2]  # The same ids in both tables.
+      g = rng.normal(size=(3, B, D)).astype(np.float32)
+      inputs, _ = trainer.model.embed.preprocess(feats)
+      trainer.step(inputs=inputs, g=jnp.asarray(g))
+    embed = trainer.model.embed
+    counters = sum(
+      np.asarray(parts["counters"].value).sum(0)
+      for parts in embed.maps.values()
+    )
+    results.append((pzsc.logical_tables(embed), counters))
+  (stacked, c1), (apart, c2) = results
+  np.testing.assert_array_equal(c1, c2)
+  assert c1[2] > 0  # Evictions happened.
+  for name in ("users", "items"):
+    a, b = stacked[name], apart[name]
+    for field in ("ids", "shards", "slots", "last_seen", "counts"):
+      np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+    np.testing.assert_allclose(a.rows, b.rows, atol=1e-6)
+  # An id in both tables has a row in each, drawn apart.
+  both = np.intersect1d(stacked["users"].ids, stacked["items"].ids)
+  assert len(both)
+  x = both[0]
+  rows = [
+    held.rows[np.searchsorted(held.ids, x)]
+    for held in (stacked["users"], stacked["items"])
+  ]
+  assert not np.allclose(rows[0], rows[1])

@@ -11,12 +11,16 @@ NumPy model each follow.
 
 Ids, owners and homes. A raw id `x` (int64) is mixed by `mix64` (the
 SplitMix64 finalizer: a bijection of 64-bit words, so distinct ids stay
-distinct) into `h`. Its owner is shard `h % N` (N shards of `C` rows each,
-the table's `rows_per_shard`), the same for every process; on its owner it
-may live in the `W = min(C, PROBE_SLOTS)` slots `(home + i) % C`,
-`i = 0 .. W-1`, where `home = (h >> 32) % C`. The owner keeps, per slot,
-the id (two int32 words, low then high), the last step it was seen
-(`EMPTY` for a free slot) and a count.
+distinct) into `h`. Its owner is shard `h % N` (N shards), the same for
+every process. Hashed tables stack like other tables (with hashed tables of
+the same eviction policy only): each member table has its own rows in every
+shard, `C` of them from row `o` (its *region*), and its ids live there
+alone. On its owner an id of a table may live in the `W = min(C,
+PROBE_SLOTS)` slots `o + (home + i) % C`, `i = 0 .. W-1` (its *window*),
+where `home = (h >> 32) % C`. The owner keeps, per slot, the id (two int32
+words, low then high), the last step it was seen (`EMPTY` for a free slot)
+and a count. Tables of one stack never compete for a slot, so a map call
+is, for each table, the call below on its region.
 
 One call of the map on one shard (a training step or an inference lookup)
 takes the distinct ids sent to the shard and returns each one's slot:
@@ -79,9 +83,9 @@ REFUSED = -1
 
 POLICIES = ("lru", "lfu", "ttl", "none")
 
-KEY_WORDS = 3
+KEY_WORDS = 4
 """int32 words per id sent to its owner: low word, high word, home (-1 for
-no id)."""
+no id) and the index of its table in the stack."""
 
 COUNTERS = ("held", "inserted", "evicted", "refused", "unseen")
 """Per-shard int32 counters of a hashed stack (saturating): ids held now,

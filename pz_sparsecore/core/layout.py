@@ -248,12 +248,7 @@ def stack_tables(
   tables = _tables(feature_specs)
   _check_stackable(tables, table_names, stack_name)
   members = [tables[name] for name in table_names]
-  hashed = [t.name for t in members if t.is_hashed]
-  if hashed and len(members) > 1:
-    raise ValueError(
-      f"stack {stack_name!r}: hashed table {hashed[0]!r} cannot share a "
-      "stack (its shards hold its map of ids); stack it alone"
-    )
+  _check_hashed_members(members, stack_name)
   stack_dim = _stack_width(members, stack_name, fail_on_excess_padding)
   rotation = num_sc_per_device if rotation is None else rotation
   settings = _member_settings(members, stack_name, stack_dim, rotation, n)
@@ -286,6 +281,27 @@ def stack_tables(
     for t in members
   }
   return _replace_features(feature_specs, new_tables, transformations)
+
+
+def _check_hashed_members(members: list[TableSpec], stack_name: str) -> None:
+  """Raises if a stack would mix hashed and range tables, or hashed tables
+  of different eviction policies (one map serves a hashed stack)."""
+  hashed = [t for t in members if t.is_hashed]
+  if not hashed or len(hashed) == len(members) == 1:
+    return
+  plain = [t.name for t in members if not t.is_hashed]
+  if plain:
+    raise ValueError(
+      f"stack {stack_name!r}: hashed table {hashed[0].name!r} cannot share "
+      f"a stack with table {plain[0]!r}, which takes ids in a range"
+    )
+  other = [t for t in hashed if t.eviction != hashed[0].eviction]
+  if other:
+    raise ValueError(
+      f"stack {stack_name!r}: hashed tables {hashed[0].name!r} and "
+      f"{other[0].name!r} have different evictions ({hashed[0].eviction} "
+      f"and {other[0].eviction}); tables of one stack share one"
+    )
 
 
 def _check_stackable(
@@ -608,8 +624,8 @@ def compatible_table_groups(
       table.quantization_config,
       table.dtype,
       name in apart,
-      # A hashed table's shards hold its map: it is alone in its stack.
-      name if table.is_hashed else None,
+      # Hashed tables stack with hashed ones of the same eviction policy.
+      table.eviction,
     )
     groups.setdefault(key, []).append(name)
 

@@ -73,10 +73,10 @@ class FeaturePlan:
   @property
   def vocabulary_size(self) -> int:
     """The ids the preprocessor admits: the table's, or for a hashed
-    table every place of its padded rows (`host.hashed_ids`)."""
+    table every place of its stack's rows (`host.hashed_ids`)."""
     table = self.spec.table_spec
     if table.is_hashed:
-      return table.setting_in_stack.padded_vocab_size
+      return table.stacked_table_spec.stack_vocab_size
     return table.vocabulary_size
 
 
@@ -134,11 +134,26 @@ class StackPlan:
     return self.tables[0].embedding_dim
 
   @property
-  def hashed(self) -> TableSpec | None:
-    """The stack's table if it takes raw ids (alone in its stack), else
-    None."""
-    table = self.tables[0]
-    return table if table.is_hashed else None
+  def is_hashed(self) -> bool:
+    """Whether the stack's tables take raw ids (a hashed stack holds hashed
+    tables only, all with one eviction policy)."""
+    return self.tables[0].is_hashed
+
+  @property
+  def eviction(self) -> Any:
+    """A hashed stack's `hashed.Eviction` (None for other stacks)."""
+    return self.tables[0].eviction
+
+  def regions(self, num_shards: int) -> tuple[tuple[int, int], ...]:
+    """Per member table, its rows in every shard: `(first row, rows)` (a
+    hashed table's ids live in its own rows of each shard)."""
+    return tuple(
+      (
+        t.setting_in_stack.row_offset_in_shard,
+        t.setting_in_stack.padded_vocab_size // num_shards,
+      )
+      for t in self.tables
+    )
 
   @property
   def quantization(self) -> tuple[float, float, int] | None:
@@ -325,6 +340,12 @@ def _check_rows_fit(
 
 def _feature_plan(spec: FeatureSpec, n: int) -> FeaturePlan:
   transform = id_transformation(spec)
+  if spec.table_spec.is_hashed:
+    # Its ids reach the preprocessor as places in their owner's partition
+    # of the whole stack (`host.hashed_ids`): no offset, no rotation.
+    return FeaturePlan(
+      spec, transform.row_offset // n, spec.sample_count // n, 0, 0
+    )
   return FeaturePlan(
     spec=spec,
     sample_offset=transform.row_offset // n,

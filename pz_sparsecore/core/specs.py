@@ -50,6 +50,49 @@ Initializer = Callable[..., jax.Array]
 LearningRate = float | Callable[..., Any]
 
 
+# jax.nn.initializers whose draw of shape (r, d) is the first r rows of
+# their draw of shape (R, d) >= r with the same key (with partitionable
+# threefry: each value's counter is its index in the flattened array).
+_PREFIX_CONSISTENT = frozenset(
+  f"{name}.<locals>.init"
+  for name in ("normal", "uniform", "truncated_normal", "constant")
+)
+
+
+_INITIALIZERS_MODULE = jax.nn.initializers.normal(1.0).__module__
+
+
+def initializer_draw_key(init: Any) -> Any:
+  """A key shared by initializers that draw the same rows from one key
+  whatever the row count (so one draw serves all of them), or None.
+
+  Only `jax.nn.initializers`' normal, uniform, truncated normal, constant,
+  zeros and ones qualify, and only with their settings equal; others (the
+  variance-scaling family depends on the shape; user functions are not
+  known) get a draw of their own shape, as every table did before.
+  """
+  if not jax.config.jax_threefry_partitionable:
+    return None
+  if init is jax.nn.initializers.zeros or init is jax.nn.initializers.ones:
+    return (init.__name__,)
+  if (
+    getattr(init, "__module__", None) != _INITIALIZERS_MODULE
+    or getattr(init, "__qualname__", None) not in _PREFIX_CONSISTENT
+  ):
+    return None
+  try:
+    key = (
+      init.__qualname__,
+      tuple(c.cell_contents for c in init.__closure__ or ()),
+      init.__defaults__,
+      tuple(sorted((init.__kwdefaults__ or {}).items())),
+    )
+    hash(key)
+  except (TypeError, ValueError):  # e.g. an array setting
+    return None
+  return key
+
+
 def _check_positive_int(owner: str, field: str, value: Any) -> None:
   if (
     isinstance(value, bool)

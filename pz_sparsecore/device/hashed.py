@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import zlib
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from pz_sparsecore.core import buffer_format, hashed
 from pz_sparsecore.core.plan import Plan
 from pz_sparsecore.core.preprocessed import PreprocessedInput
+from pz_sparsecore.core.specs import initializer_draw_key
 from pz_sparsecore.device.exchange.base import own_buffer_shape
 from pz_sparsecore.device.kernels import reference
 from pz_sparsecore.device.topology import Topology
@@ -74,32 +77,38 @@ def decayed(count, last, step, decay_steps: int | None):
 
 
 def _sorted_order(ids: jax.Array) -> jax.Array:
-  """The permutation putting ids in ascending unsigned 64-bit order, absent
-  ids (home -1) last."""
+  """The permutation putting ids in ascending order of (table, id as an
+  unsigned 64-bit word), absent ids (home -1) last."""
   absent = (ids[:, 2] < 0).astype(jnp.int32)
   # XOR with the sign bit orders int32 words as unsigned ones.
   hi, lo = ids[:, 1] ^ _SIGN, ids[:, 0] ^ _SIGN
   index = jnp.arange(ids.shape[0], dtype=jnp.int32)
-  return jax.lax.sort((absent, hi, lo, index), num_keys=3)[3]
+  return jax.lax.sort((absent, ids[:, 3], hi, lo, index), num_keys=4)[4]
 
 
-def _window(home, capacity: int) -> jax.Array:
-  w = hashed.window(capacity)
-  return (home[..., None] + jnp.arange(w, dtype=jnp.int32)) % capacity
+def _window(home, member, regions) -> tuple[jax.Array, jax.Array]:
+  """Each id's window `[n, W]` in its table's region, and which of its
+  `W` (the widest window of the stack) slots belong to it."""
+  offsets = jnp.asarray([o for o, _ in regions], jnp.int32)[member]
+  rows = jnp.asarray([c for _, c in regions], jnp.int32)[member]
+  w = max(hashed.window(c) for _, c in regions)
+  i = jnp.arange(w, dtype=jnp.int32)
+  slots = offsets[:, None] + (home[:, None] + i) % rows[:, None]
+  return slots, i < jnp.minimum(rows, hashed.PROBE_SLOTS)[:, None]
 
 
 def _pick(
-  slots, seen, step, policy: hashed.Eviction
+  slots, ok, seen, step, policy: hashed.Eviction
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """A miss's slot among its window `slots` (`seen` their rows of the
-  map): `(found, slot, evicts)`."""
+  """A miss's slot among its window `slots` (`ok`: those of the window;
+  `seen` their rows of the map): `(found, slot, evicts)`."""
   last, count = seen[:, 0], seen[:, 1]
-  free = last == hashed.EMPTY
+  free = (last == hashed.EMPTY) & ok
   first_free = jnp.argmax(free)
   if policy.policy == "none":
     eligible = jnp.zeros_like(free)
   else:
-    eligible = (last < step) & ~free
+    eligible = (last < step) & (last != hashed.EMPTY) & ok
     if policy.policy == "ttl":
       eligible &= step - last > policy.ttl_steps
   big = jnp.int32(_INT32_MAX)
@@ -116,12 +125,13 @@ def _pick(
   return found, slots[chosen], found & ~any_free
 
 
-def _hits(shard: ShardMap, s_ids, window, first):
+def _hits(shard: ShardMap, s_ids, window, ok, first):
   """Which (first occurrences of) ids the map holds before the call, and
   their slots (`hashed.REFUSED` for the others)."""
   held = shard.ids[window]
   match = (
-    (shard.seen[window, 0] != hashed.EMPTY)
+    ok
+    & (shard.seen[window, 0] != hashed.EMPTY)
     & (held[..., 0] == s_ids[:, None, 0])
     & (held[..., 1] == s_ids[:, None, 1])
   )
@@ -134,7 +144,9 @@ def _hits(shard: ShardMap, s_ids, window, first):
   return hit, slot
 
 
-def _insert_misses(map_ids, seen, slot, s_ids, window, miss, step, eviction):
+def _insert_misses(
+  map_ids, seen, slot, s_ids, window, ok, miss, step, eviction
+):
   """The misses take their slots one after another, in id order:
   `(map ids, seen, slot, counters' changes)`."""
   capacity = map_ids.shape[0]
@@ -145,7 +157,9 @@ def _insert_misses(map_ids, seen, slot, s_ids, window, miss, step, eviction):
     map_ids, seen, slot, counts = state
     at = miss_order[i]
     candidates = window[at]
-    found, chosen, evicts = _pick(candidates, seen[candidates], step, eviction)
+    found, chosen, evicts = _pick(
+      candidates, ok[at], seen[candidates], step, eviction
+    )
     target = jnp.where(found, chosen, capacity)
     map_ids = map_ids.at[target].set(s_ids[at, :2], mode="drop")
     seen = seen.at[target].set(jnp.stack([step, jnp.int32(1)]), mode="drop")
@@ -176,16 +190,20 @@ def resolve_shard(
   *,
   eviction: hashed.Eviction,
   train: bool,
+  regions: tuple[tuple[int, int], ...] | None = None,
 ) -> Resolved:
   """One call of one shard's map (`core.hashed`).
 
   Args:
-    ids: int32 `[n, 3]`: low word, high word and home of each id sent to
-      the shard (home -1: no id); an id may come several times.
+    ids: int32 `[n, 4]`: low word, high word, home (within its table's
+      region) and table of each id sent to the shard (home -1: no id); an
+      id may come several times. `[n, 3]`: all of table 0.
     shard: The shard's map.
     step: int32, the current step (training; ignored in inference).
-    eviction: The table's policy.
+    eviction: The stack's policy.
     train: Insert and evict (training) or only look up (inference).
+    regions: Per table of the stack, its `(first row, rows)` in the shard;
+      None: one table of all the shard's rows.
 
   Returns:
     Each id's slot, which ones to reset, the new map and the counters'
@@ -193,15 +211,22 @@ def resolve_shard(
   """
   n = ids.shape[0]
   capacity = shard.ids.shape[0]
+  regions = regions or ((0, capacity),)
+  if ids.shape[1] == 3:
+    ids = jnp.pad(ids, ((0, 0), (0, 1)))
+  # A table index out of range reads as no id.
+  bad = (ids[:, 3] < 0) | (ids[:, 3] >= len(regions))
+  ids = ids.at[:, 2].set(jnp.where(bad, -1, ids[:, 2]))
+  ids = ids.at[:, 3].set(jnp.where(bad, 0, ids[:, 3]))
   step = jnp.asarray(step, jnp.int32)
   order = _sorted_order(ids)
   s_ids = ids[order]
   present = s_ids[:, 2] >= 0
-  same = jnp.all(s_ids[1:, :2] == s_ids[:-1, :2], axis=1)
+  same = jnp.all(s_ids[1:, (0, 1, 3)] == s_ids[:-1, (0, 1, 3)], axis=1)
   first = present & jnp.concatenate([jnp.ones((1,), bool), ~same])
 
-  window = _window(jnp.maximum(s_ids[:, 2], 0), capacity)
-  hit, slot = _hits(shard, s_ids, window, first)
+  window, ok = _window(jnp.maximum(s_ids[:, 2], 0), s_ids[:, 3], regions)
+  hit, slot = _hits(shard, s_ids, window, ok, first)
   miss = first & ~hit
   zero = jnp.int32(0)
   if not train:
@@ -224,7 +249,7 @@ def resolve_shard(
   )
 
   map_ids, seen, slot, counts = _insert_misses(
-    shard.ids, seen, slot, s_ids, window, miss, step, eviction
+    shard.ids, seen, slot, s_ids, window, ok, miss, step, eviction
   )
   reset_sorted = miss & (slot != hashed.REFUSED)
   reset = jnp.zeros((n,), bool).at[order].set(reset_sorted)
@@ -288,27 +313,48 @@ def empty_map(num_shards: int, capacity: int, seed: jax.Array) -> StackMap:
   )
 
 
-def new_rows(stack, seed: jax.Array, words: jax.Array) -> jax.Array:
-  """The initial rows `[n, D]` (float32) of ids given as `[n, >= 2]` words:
-  the table's initializer drawn with `seed` folded with each id's words, so
-  a row depends on its id alone."""
-  init = stack.hashed.initializer
-  base = jax.random.wrap_key_data(seed)
+def _table_words(stack) -> jax.Array:
+  """Per member table, the int32 word folded into its rows' keys: its
+  name's CRC-32 (so a row depends on its table and id, not on stacking)."""
+  crcs = [zlib.crc32(t.name.encode()) for t in stack.tables]
+  return jnp.asarray(np.array(crcs, np.uint32).view(np.int32))
 
-  def one(w):
-    key = jax.random.fold_in(jax.random.fold_in(base, w[0]), w[1])
+
+def new_rows(stack, seed: jax.Array, words: jax.Array) -> jax.Array:
+  """The initial rows `[n, D]` (float32) of ids given as `[n, 4]` words
+  (low, high, home, table): the table's initializer drawn with `seed`
+  folded with the table's name and the id's words, so a row depends on its
+  table and id alone. Tables whose initializers draw alike share one draw
+  (`specs.initializer_draw_key`)."""
+  base = jax.random.wrap_key_data(seed)
+  member = jnp.clip(words[:, 3], 0, len(stack.tables) - 1)
+  table_word = _table_words(stack)[member]
+
+  def draw(init, w, t):
+    key = jax.random.fold_in(base, t)
+    key = jax.random.fold_in(jax.random.fold_in(key, w[0]), w[1])
     try:
       row = init(key, (1, stack.dim), jnp.float32)
     except TypeError:
       row = init(key, (1, stack.dim))
     return jnp.asarray(row, jnp.float32).reshape(stack.dim)
 
-  return jax.vmap(one)(words)
+  groups: dict[Any, list[int]] = {}
+  for i, t in enumerate(stack.tables):
+    key = initializer_draw_key(t.initializer)
+    groups.setdefault(("member", i) if key is None else key, []).append(i)
+  rows = jnp.zeros((words.shape[0], stack.dim), jnp.float32)
+  for members in groups.values():
+    init = stack.tables[members[0]].initializer
+    drawn = jax.vmap(functools.partial(draw, init))(words, table_word)
+    mine = jnp.isin(member, jnp.asarray(members))
+    rows = jnp.where(mine[:, None], drawn, rows)
+  return rows
 
 
 def _reset(stack, table, slots, slot_rows, reset, words, seed):
   """The table and optimizer slots with the reset rows of each local shard
-  written (`slot_rows`, `reset`, `words`: `[S, n]`, `[S, n]`, `[S, n, 3]`)."""
+  written (`slot_rows`, `reset`, `words`: `[S, n]`, `[S, n]`, `[S, n, 4]`)."""
   s, capacity = table.shape[0], table.shape[1]
   target = jnp.where(reset, slot_rows, capacity)
   shard = jnp.broadcast_to(
@@ -348,7 +394,7 @@ def local_resolve(
   """Per device, inside `shard_map`: the stack's ids resolved to rows.
 
   Args:
-    stack: The stack's plan (`stack.hashed` is its table).
+    stack: The stack's plan (of hashed tables).
     topo: The topology.
     stack_map: The device's part of the map (`[S, C, 2]`, `[S, C, 2]`,
       `[S, 5]`, the seed).
@@ -373,9 +419,11 @@ def local_resolve(
     jax.lax.all_to_all(sent, axis, 1, 1, tiled=True) if g > 1 else sent
   )  # [segment, source device, own shard, place, word]
   per_shard = got.transpose(2, 1, 0, 3, 4).reshape(s, -1, hashed.KEY_WORDS)
-  eviction = stack.hashed.eviction
+  eviction, regions = stack.eviction, stack.regions(n)
   resolved = jax.vmap(
-    lambda w, m: resolve_shard(w, m, step, eviction=eviction, train=train)
+    lambda w, m: resolve_shard(
+      w, m, step, eviction=eviction, train=train, regions=regions
+    )
   )(per_shard, ShardMap(stack_map.ids, stack_map.seen))
   if train:
     table, slots = _reset(
@@ -413,7 +461,7 @@ def local_resolve(
 
 def hashed_stacks(plan: Plan) -> list[Any]:
   """The plan's stacks of hashed tables."""
-  return [stack for stack in plan.stacks if stack.hashed is not None]
+  return [stack for stack in plan.stacks if stack.is_hashed]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3, 4))

@@ -295,10 +295,13 @@ class _Segment:
     positions: np.ndarray,
     ids: np.ndarray,
   ) -> None:
-    """The feature's ids lie in its table's rows of the shard."""
+    """The feature's ids lie in its table's rows of the shard (a hashed
+    table's: its places, any row of the stack's shard, `host.hashed_ids`)."""
     setting = feature.spec.table_spec.setting_in_stack
     lo = feature.row_offset_in_shard
     hi = lo + setting.padded_vocab_size // self.num_shards
+    if feature.spec.table_spec.is_hashed:
+      hi = self.stack.rows_per_shard
     bad = np.flatnonzero((ids < lo) | (ids >= hi))
     if bad.size:
       j = bad[0]

@@ -3,27 +3,30 @@
 A hashed table (`core.hashed`) takes any int64 id (uint64 ids are read as
 their 64-bit words) or strings / bytes (`hashed.string_ids`), in every
 input form of `ragged_input` and `coo_input`. Before the usual
-preprocessing, each of its features' ids is replaced by its *place*: ids
-go to their owner shard `p` (`hashed.owners`); among the distinct ids one
-local SparseCore sends to `p` (all features of the stack together, in
-ascending order of the id as an unsigned word), an id's place is its rank
-`r`. The feature then reads as a table of range ids whose id `r * N + p`
-(less the table's rotation) lies in partition `p` at local row `r`, so the
-preprocessor sorts, merges, limits and counts exactly as for any table:
+preprocessing, each of a hashed stack's features' ids is replaced by its
+*place*: ids go to their owner shard `p` (`hashed.owners`); among the
+distinct (table, id) pairs one local SparseCore sends to `p` (every feature
+of the stack together, in ascending order of table, then id as an unsigned
+word), a pair's place is its rank `r`. The feature then reads as a range
+table whose id `r * N + p` lies in partition `p` at local row `r` (the plan
+gives a hashed feature no offset and no rotation), so the preprocessor
+sorts, merges, limits and counts exactly as for any stack:
 `max_unique_ids_per_partition` bounds the distinct raw ids.
 
 The ids themselves travel in `PreprocessedInput.hashed_ids`: per local
 SparseCore `k`, partition `p` and place `r < cap` (`cap =
-r8(max_unique_ids_per_partition)`) the id's low and high words and its
-home slot on `p` (`hashed.homes`), `[0, 0, -1]` for no id. On the device
-(`device.hashed`) the owners find or give each id a row and the places are
-replaced by those rows.
+r8(max_unique_ids_per_partition)`) the id's low and high words, its home
+slot in its table's region of `p` (`hashed.homes`) and its table's index in
+the stack; `[0, 0, -1, 0]` for no id. On the device (`device.hashed`) the
+owners find or give each id a row and the places are replaced by those
+rows.
 
 Example: N = 2, one SparseCore per device, one local device, `cap` 8.
 Ids `[[90, -4], [90]]` with owners 90 -> 1, -4 -> 1: partition 1 gets the
 distinct ids `-4, 90` (as unsigned words 90 < 2**64 - 4), places 0 and 1;
 the batch reads `[[1 * 2 + 1, 0 * 2 + 1], [3]]`, and `hashed_ids[0, 1]` holds
-the words of 90 at place 1 and of -4 at place 0.
+the words of 90 at place 1 and of -4 at place 0 (table 0, each with its
+home).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import numpy as np
 
 from pz_sparsecore.core import hashed
 from pz_sparsecore.core import plan as plan_lib
-from pz_sparsecore.host import ragged_input
+from pz_sparsecore.host import _hashed_numba, ragged_input
 
 
 def _string_leaf(leaf: Any) -> Any:
@@ -50,10 +53,21 @@ def _string_leaf(leaf: Any) -> Any:
   if isinstance(leaf, np.ndarray) and leaf.dtype == object:
     if leaf.ndim == 2:
       return _strings(leaf) if _is_text(leaf.flat[0]) else leaf
+    if not _text_rows(leaf):
+      return leaf
     return np.array([_row(row) for row in leaf] + [None], dtype=object)[:-1]
-  if isinstance(leaf, list):
+  if isinstance(leaf, list) and _text_rows(leaf):
     return [_row(row) for row in leaf]
   return leaf
+
+
+def _text_rows(rows: Any) -> bool:
+  """Whether ragged rows hold strings (their first non-empty row tells)."""
+  for row in rows:
+    array = np.asarray(row)
+    if array.size:
+      return array.dtype.kind in "US" or _is_text(array.flat[0])
+  return False
 
 
 def _is_text(x: Any) -> bool:
@@ -90,7 +104,8 @@ def raw_ids(name: str, leaf: Any) -> ragged_input.Ragged:
     leaf = _string_leaf(leaf)
   except ValueError as e:
     raise ValueError(f"feature {name!r}: {e}") from None
-  ids = ragged_input.to_ragged(name, leaf, "ids")
+  # Read as "raw ids": any integer values (no per-row checks of ranges).
+  ids = ragged_input.to_ragged(name, leaf, "raw ids")
   values = np.asarray(ids.values)
   if values.size and values.dtype.kind not in "iu":
     raise ValueError(
@@ -123,7 +138,7 @@ def prepare(
     ValueError: Naming the feature, on a malformed batch, or if one
       SparseCore sends one shard more distinct ids than the shard's rows.
   """
-  stacks = [s for s in plan.stacks if s.hashed is not None]
+  stacks = [s for s in plan.stacks if s.is_hashed]
   if not stacks:
     return leaves, None
   leaves = dict(leaves)
@@ -137,7 +152,9 @@ def _prepare_stack(plan, stack, leaves, local: int) -> np.ndarray:
   n, s = plan.num_shards, plan.num_sc_per_device
   capacity, cap = stack.rows_per_shard, stack.unique_window // s
   features = list(stack.features)
-  ids, segments = [], []
+  members = {t.name: i for i, t in enumerate(stack.tables)}
+  rows_of = [rows for _, rows in stack.regions(n)]
+  ids, segments, tables = [], [], []
   for f in features:
     id_leaf, weight_leaf = leaves[f.name]
     [id_leaf], [weight_leaf] = ragged_input.convert_formats(
@@ -152,56 +169,47 @@ def _prepare_stack(plan, stack, leaves, local: int) -> np.ndarray:
       )
     rows = np.arange(ragged.num_rows, dtype=np.int64) // f.samples_per_sc
     segments.append(np.repeat(rows, np.diff(ragged.splits)))
+    tables.append(
+      np.full(len(ragged.values), members[f.spec.table_spec.name], np.int64)
+    )
     ids.append(ragged)
     if weight_leaf is not None:
       weight = ragged_input.to_ragged(f.name, weight_leaf, "weights")
       weight_leaf = (weight.values, weight.splits)
     leaves[f.name] = (ragged, weight_leaf)
   values = np.concatenate([r.values for r in ids])
-  segment = np.concatenate(segments)
-  owner = hashed.owners(values, n)
-  group = segment * n + owner
-  words = values.view(np.uint64)
-  order = np.lexsort((words, group))
-  g, w = group[order], words[order]
-  new = np.ones(len(g), bool)
-  new[1:] = (g[1:] != g[:-1]) | (w[1:] != w[:-1])
-  starts = np.ones(len(g), bool)
-  starts[1:] = g[1:] != g[:-1]
-  unique = np.cumsum(new) - 1
-  rank_sorted = unique - np.maximum.accumulate(np.where(starts, unique, 0))
-  rank = np.empty_like(rank_sorted)
-  rank[order] = rank_sorted
-  _check_ranks(features, ids, rank, owner, capacity)
-
+  keys = np.zeros((local * s, n, cap, hashed.KEY_WORDS), np.int32)
+  keys[..., 2] = -1
+  place = np.empty(len(values), np.int64)
+  most = _hashed_numba.places(
+    values,
+    np.concatenate(segments),
+    np.concatenate(tables),
+    n,
+    np.asarray(rows_of, np.int64),
+    keys,
+    place,
+  )
+  _check_places(features, ids, place, n, capacity, most)
   at = 0
   for f, ragged in zip(features, ids, strict=True):
     end = at + len(ragged.values)
-    places = rank[at:end] * n + (owner[at:end] - f.shard_rotation) % n
-    leaves[f.name] = ((places, ragged.splits), leaves[f.name][1])
+    leaves[f.name] = ((place[at:end], ragged.splits), leaves[f.name][1])
     at = end
-
-  table = np.zeros((local * s, n, cap, hashed.KEY_WORDS), np.int32)
-  table[..., 2] = -1
-  keep = new & (rank_sorted < cap)
-  kept = values[order][keep]
-  lo, hi = hashed.key_words(kept)
-  where = (g[keep] // n, g[keep] % n, rank_sorted[keep])
-  table[where] = np.stack([lo, hi, hashed.homes(kept, capacity)], -1)
-  return table.reshape(-1)
+  return keys.reshape(-1)
 
 
-def _check_ranks(features, ids, rank, owner, capacity: int) -> None:
-  """Raises if some SparseCore sends a shard more distinct ids than it has
-  rows."""
-  if not len(rank) or rank.max() < capacity:
+def _check_places(features, ids, place, n: int, capacity: int, most: int):
+  """Raises if some SparseCore sends a shard more distinct ids than the
+  stack has rows per shard (their places would not fit)."""
+  if most <= capacity:
     return
-  at = int(np.argmax(rank >= capacity))
+  at = int(np.argmax(place // n >= capacity))
   for f, ragged in zip(features, ids, strict=True):
     if at < len(ragged.values):
       raise ValueError(
         f"feature {f.name!r}: one SparseCore's batch sends shard "
-        f"{int(owner[at])} more distinct ids than its {capacity} rows; "
+        f"{int(place[at] % n)} more distinct ids than its {capacity} rows; "
         "raise the table's vocabulary_size (its capacity) or split the batch"
       )
     at -= len(ragged.values)

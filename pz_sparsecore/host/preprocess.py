@@ -203,7 +203,7 @@ def input_shapes(
     hashed_ids={
       s.name: struct(plan_lib.hashed_ids_per_device(plan, s), np.int32)
       for s in plan.stacks
-      if s.hashed is not None
+      if s.is_hashed
     }
     or None,
   )

@@ -39,7 +39,7 @@ def applies(plan: plan_lib.Plan) -> bool:
   return (
     plan.num_devices == 1
     and plan.minibatches == 1
-    and all(stack.hashed is None for stack in plan.stacks)
+    and not any(stack.is_hashed for stack in plan.stacks)
   )
 
 

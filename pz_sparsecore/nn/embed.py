@@ -42,7 +42,7 @@ from penzai import pz
 
 from pz_sparsecore.core import layout
 from pz_sparsecore.core import plan as plan_lib
-from pz_sparsecore.core.specs import FeatureSpec
+from pz_sparsecore.core.specs import FeatureSpec, initializer_draw_key
 from pz_sparsecore.device import hashed as hashed_lib
 from pz_sparsecore.device import input_check, replication, routing
 from pz_sparsecore.device import topology as topology_lib
@@ -302,49 +302,6 @@ def _call_initializer(init, key, shape):
     return jnp.asarray(init(key, shape), jnp.float32)
 
 
-# jax.nn.initializers whose draw of shape (r, d) is the first r rows of
-# their draw of shape (R, d) >= r with the same key (with partitionable
-# threefry: each value's counter is its index in the flattened array).
-_PREFIX_CONSISTENT = frozenset(
-  f"{name}.<locals>.init"
-  for name in ("normal", "uniform", "truncated_normal", "constant")
-)
-
-
-_INITIALIZERS_MODULE = jax.nn.initializers.normal(1.0).__module__
-
-
-def _draw_key(init: Any) -> Any:
-  """A key shared by initializers that draw the same rows from one key
-  whatever the row count (so one draw serves all of them), or None.
-
-  Only `jax.nn.initializers`' normal, uniform, truncated normal, constant,
-  zeros and ones qualify, and only with their settings equal; others (the
-  variance-scaling family depends on the shape; user functions are not
-  known) get a draw of their own shape, as every table did before.
-  """
-  if not jax.config.jax_threefry_partitionable:
-    return None
-  if init is jax.nn.initializers.zeros or init is jax.nn.initializers.ones:
-    return (init.__name__,)
-  if (
-    getattr(init, "__module__", None) != _INITIALIZERS_MODULE
-    or getattr(init, "__qualname__", None) not in _PREFIX_CONSISTENT
-  ):
-    return None
-  try:
-    key = (
-      init.__qualname__,
-      tuple(c.cell_contents for c in init.__closure__ or ()),
-      init.__defaults__,
-      tuple(sorted((init.__kwdefaults__ or {}).items())),
-    )
-    hash(key)
-  except (TypeError, ValueError):  # e.g. an array setting
-    return None
-  return key
-
-
 def _fill_stack(
   config: EmbedConfig,
   stack: plan_lib.StackPlan,
@@ -367,7 +324,7 @@ def _fill_stack(
   ]
   groups: dict[Any, list[int]] = {}
   for i, t in enumerate(stack.tables):
-    key_of_draw = _draw_key(t.initializer)
+    key_of_draw = initializer_draw_key(t.initializer)
     groups.setdefault(
       ("member", i) if key_of_draw is None else key_of_draw, []
     ).append(i)
@@ -605,7 +562,9 @@ def make_maps(
         p: pz.StateVariableSlot(label) for p, label in labels.items()
       }
       continue
-    key = pz.nn.derive_param_key(init_base_rng, labels["seed"])
+    # One seed for the layer's hashed rows (each folds in its table's name
+    # and id): the rows do not depend on how the tables are stacked.
+    key = pz.nn.derive_param_key(init_base_rng, f"{config.name}/hashed_rows")
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
       key = jax.random.key_data(key)
     empty = hashed_lib.empty_map(

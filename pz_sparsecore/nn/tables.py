@@ -213,7 +213,7 @@ def logical_tables(
   stacked = {
     stack: to_host(v)
     for stack, v in table_arrays(embed).items()
-    if plan.stack(stack).hashed is None
+    if not plan.stack(stack).is_hashed
   }
   specs = [s for s in plan.feature_specs if not s.table_spec.is_hashed]
   tables = layout.unshard_and_unstack_tables(specs, stacked, plan.num_shards)
@@ -237,7 +237,7 @@ class HashedRows(NamedTuple):
     ids: int64 `[held]`.
     rows: `[held, dim]` float32 (the table's own width).
     shards: int64 `[held]`, the shard holding each id.
-    slots: int64 `[held]`, its row in the shard.
+    slots: int64 `[held]`, its row in the table's rows of the shard.
     last_seen: int64 `[held]`, the step it was last seen in training.
     counts: int64 `[held]`, its count (`core.hashed`).
   """
@@ -255,23 +255,29 @@ def hashed_rows(embed: SparseCoreEmbed) -> dict[str, HashedRows]:
   shard to the host; with several processes every process calls this)."""
   out = {}
   tables = table_arrays(embed)
-  for stack, parts in embed.maps.items():
-    table = embed.config.plan.stack(stack).hashed
+  plan = embed.config.plan
+  for stack_name, parts in embed.maps.items():
+    stack = plan.stack(stack_name)
     ids = to_host(parts["ids"].value)
     seen = to_host(parts["seen"].value)
-    shard, slot = np.nonzero(seen[..., 0] != hashed.EMPTY)
-    held = hashed.ids_of_words(ids[shard, slot, 0], ids[shard, slot, 1])
-    order = np.argsort(held, kind="stable")
-    shard, slot = shard[order], slot[order]
-    rows = to_host(tables[stack])[shard, slot, : table.embedding_dim]
-    out[table.name] = HashedRows(
-      ids=held[order],
-      rows=np.asarray(rows, np.float32),
-      shards=shard.astype(np.int64),
-      slots=slot.astype(np.int64),
-      last_seen=seen[shard, slot, 0].astype(np.int64),
-      counts=seen[shard, slot, 1].astype(np.int64),
-    )
+    table = to_host(tables[stack_name])
+    for spec, (first, rows) in zip(
+      stack.tables, stack.regions(plan.num_shards), strict=True
+    ):
+      region = seen[:, first : first + rows, 0] != hashed.EMPTY
+      shard, slot = np.nonzero(region)
+      slot = slot + first
+      held = hashed.ids_of_words(ids[shard, slot, 0], ids[shard, slot, 1])
+      order = np.argsort(held, kind="stable")
+      shard, slot = shard[order], slot[order]
+      out[spec.name] = HashedRows(
+        ids=held[order],
+        rows=np.asarray(table[shard, slot, : spec.embedding_dim], np.float32),
+        shards=shard.astype(np.int64),
+        slots=(slot - first).astype(np.int64),
+        last_seen=seen[shard, slot, 0].astype(np.int64),
+        counts=seen[shard, slot, 1].astype(np.int64),
+      )
   return out
 
 

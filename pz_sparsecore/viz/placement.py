@@ -443,20 +443,23 @@ def _hashed_lines(embed: Any, name: str) -> tuple[list[Any], dict[int, str]]:
   choice (`core.hashed`)."""
   plan = embed.config.plan
   stack = plan.stack_of_table[name]
-  n, s, c = plan.num_shards, plan.num_sc_per_device, stack.rows_per_shard
+  n, s = plan.num_shards, plan.num_sc_per_device
+  member = [t.name for t in stack.tables].index(name)
+  first, c = stack.regions(n)[member]
   holders, kind = _shard_holders(embed, plan, stack)
   values, _, labels = _device_values(holders, kind)
   rule = (
     f"id x -> shard mix64(x) % {n} -> device shard // {s}; on its shard, "
-    f"the first free of the {hashed.window(c)} slots from (mix64(x) >> 32) "
-    f"% {c}, or an evicted one"
+    f"in the table's rows [{first}, {first + c}), the first free of the "
+    f"{hashed.window(c)} slots from (mix64(x) >> 32) % {c}, or an evicted "
+    "one"
   )
   seen = getattr(embed.maps[stack.name]["seen"], "value", None)
   if not isinstance(seen, (np.ndarray, jax.Array)) or isinstance(
     seen, jax.core.Tracer
   ):
     return [f"hashed table {name!r}: no map values to draw", rule], labels
-  held = np.asarray(seen)[..., 0] != hashed.EMPTY
+  held = np.asarray(seen)[:, first : first + c, 0] != hashed.EMPTY
   shown = min(c, MAX_HASHED_SLOTS)
   grid = np.where(
     held[:, :shown], np.asarray(values)[:, None], PADDING_VALUE

@@ -1,0 +1,91 @@
+"""The numba half of `hashed_ids` (private to it): places and key words.
+
+`places` walks a hashed stack's raw ids once (every feature's values end
+to end), finds each distinct (segment, partition, table, id) in an
+open-addressing hash set, and gives it the next place of its (segment,
+partition) in order of first appearance; it writes each distinct id's
+words into the key table as it goes. One pass, no sort: O(ids).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+@numba.njit(cache=True, nogil=True)
+def _mix64(x: np.uint64) -> np.uint64:
+  """`core.hashed.mix64` of one word."""
+  z = x
+  z = (z ^ (z >> np.uint64(30))) * _M1
+  z = (z ^ (z >> np.uint64(27))) * _M2
+  return z ^ (z >> np.uint64(31))
+
+
+@numba.njit(cache=True, nogil=True)
+def places(
+  values: np.ndarray,
+  segment: np.ndarray,
+  member: np.ndarray,
+  num_shards: int,
+  member_rows: np.ndarray,
+  keys: np.ndarray,
+  place: np.ndarray,
+) -> int:
+  """Each id's place, and the key table; returns the most places any
+  (segment, partition) needed.
+
+  Args:
+    values: int64 `[n]` raw ids.
+    segment: int64 `[n]`, each id's local SparseCore segment.
+    member: int64 `[n]`, each id's table in the stack.
+    num_shards: N.
+    member_rows: int64, each table's rows per shard.
+    keys: int32 `[segments, N, cap, 4]`, holding `[0, 0, -1, 0]`: written
+      with (low word, high word, home, table) at each place below `cap`.
+    place: int64 `[n]`, written: each id's place times N plus its
+      partition (the id the preprocessor reads).
+  """
+  n = len(values)
+  segments, cap = keys.shape[0], keys.shape[2]
+  size = 1
+  while size < 2 * n + 2:
+    size *= 2
+  mask = np.uint64(size - 1)
+  slot_value = np.empty(size, np.int64)
+  slot_group = np.full(size, -1, np.int64)
+  slot_place = np.empty(size, np.int64)
+  counts = np.zeros(segments * num_shards, np.int64)
+  most = 0
+  for i in range(n):
+    word = np.uint64(values[i])
+    h = _mix64(word)
+    owner = np.int64(h % np.uint64(num_shards))
+    group = (segment[i] * num_shards + owner) * len(member_rows) + member[i]
+    probe = _mix64(h ^ np.uint64(group)) & mask
+    while True:
+      g = slot_group[probe]
+      if g == -1:
+        at = segment[i] * num_shards + owner
+        r = counts[at]
+        counts[at] = r + 1
+        most = max(most, r + 1)
+        slot_group[probe] = group
+        slot_value[probe] = values[i]
+        slot_place[probe] = r
+        if r < cap:
+          rows = np.uint64(member_rows[member[i]])
+          keys[segment[i], owner, r, 0] = np.int32(np.int64(word & 0xFFFFFFFF))
+          keys[segment[i], owner, r, 1] = np.int32(np.int64(word >> 32))
+          keys[segment[i], owner, r, 2] = np.int64((h >> np.uint64(32)) % rows)
+          keys[segment[i], owner, r, 3] = member[i]
+        break
+      if g == group and slot_value[probe] == values[i]:
+        r = slot_place[probe]
+        break
+      probe = (probe + np.uint64(1)) & mask
+    place[i] = r * num_shards + owner
+  return most
