@@ -27,6 +27,13 @@ TorchRec: ``FusedEmbeddingBagCollection`` (FBGEMM's table-batched
 embedding with the Adagrad update fused into the backward) and the same MLPs
 in torch, one process.
 
+Hashed tables: ``--libs ours-hashed,ours-modulo`` compares two runs of
+ours instead: every table ``ids="hashed"`` (capacity its vocabulary,
+``lru``) fed raw int64 ids (each row's id a fixed random int64, drawn with
+the same distributions), against the same model of range tables fed those
+raw ids modulo the vocabulary, as a user hashes by hand (rows shared by
+the collisions); ``--devices`` sets our CPU devices (8).
+
 Reported per library: model build seconds, first step (with ours, the
 compile), host preprocessing ms per batch, step ms (device step with the
 batch ready), end-to-end ms per step over the training run (host work
@@ -64,6 +71,12 @@ REFRESH = 100
 TABLE_OPTIMIZER = "adagrad"
 # Our tables' storage (TorchRec's are float32 whatever this is).
 TABLE_DTYPE = "float32"
+# Our tables' ids (`--libs ours-hashed,ours-modulo`): "range" (ids in
+# [0, V)), "hashed" (every table `ids="hashed"`, capacity V, lru, fed raw
+# int64 ids: each row's id a fixed random int64), or "modulo" (range
+# tables fed those raw ids modulo V, as a user hashes by hand).
+IDS = "range"
+DEVICES = 8
 
 
 def table_optimizer():
@@ -88,6 +101,10 @@ def make_data(num_batches: int, seed: int = 0):
   (one id per sample) or a list of B per-sample arrays (multi-hot), labels
   [B] f32)."""
   rng = np.random.default_rng(seed)
+  # Each row's raw 64-bit id (hashed and modulo runs), drawn apart so
+  # that the range run's data stay as they were.
+  raw_rng = np.random.default_rng(seed + 1)
+  raw = [raw_rng.integers(-(2**63), 2**63 - 1, v, np.int64) for v in VOCABS]
   hidden = [rng.normal(0, 1, v).astype(np.float32) for v in VOCABS]
   perms = [rng.permutation(v) for v in VOCABS]
   cdfs = [np.cumsum(np.arange(1, v + 1) ** -1.1) for v in VOCABS]
@@ -108,6 +125,10 @@ def make_data(num_batches: int, seed: int = 0):
         per_id = hidden[t][flat]
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         score = score + np.add.reduceat(per_id, starts) / counts
+      if IDS == "hashed":
+        flat = raw[t][flat]
+      elif IDS == "modulo":
+        flat = (raw[t][flat].view(np.uint64) % np.uint64(v)).astype(np.int32)
       # As upstream's users pass them: one id per sample as a dense
       # [batch, 1] array, ragged rows as a list of per-sample arrays.
       if t in MULTI_HOT:
@@ -169,6 +190,7 @@ def feature_specs() -> dict:
       optimizer=table_optimizer(),
       combiner="mean",
       dtype=TABLE_DTYPE,
+      **({"ids": "hashed", "eviction": "lru"} if IDS == "hashed" else {}),
     )
     k = 5 if t in MULTI_HOT else 1
     features[f"c{t:02d}"] = pzsc.FeatureSpec(
@@ -181,7 +203,9 @@ def feature_specs() -> dict:
 
 
 def run_ours(train, test, warmup: int) -> dict:
-  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  os.environ.setdefault(
+    "XLA_FLAGS", f"--xla_force_host_platform_device_count={DEVICES}"
+  )
   import jax
   import jax.numpy as jnp
   import optax
@@ -438,9 +462,28 @@ def run_torchrec(train, test, warmup: int) -> dict:
   )
 
 
+LIBS = {
+  "ours": ("ours", "range"),
+  "torchrec": ("torchrec", "range"),
+  "ours-hashed": ("ours", "hashed"),
+  "ours-modulo": ("ours", "modulo"),
+}
+
+
 def main() -> None:
-  global REFRESH, PLACEMENT, TABLE_OPTIMIZER, TABLE_DTYPE
+  global REFRESH, PLACEMENT, TABLE_OPTIMIZER, TABLE_DTYPE, IDS, DEVICES
   parser = argparse.ArgumentParser()
+  parser.add_argument(
+    "--libs",
+    default="ours,torchrec",
+    help="the two runs compared, first / second: ours, torchrec, "
+    "ours-hashed (every table hashed, raw int64 ids), ours-modulo (range "
+    "tables, the raw ids modulo the size)",
+  )
+  parser.add_argument("--ids", default=IDS, help=argparse.SUPPRESS)
+  parser.add_argument(
+    "--devices", type=int, default=DEVICES, help="ours: CPU devices"
+  )
   parser.add_argument("--child", default=None)
   parser.add_argument("--batches", type=int, default=120)
   parser.add_argument("--test-batches", type=int, default=8)
@@ -475,6 +518,7 @@ def main() -> None:
   REFRESH = args.refresh or None
   PLACEMENT = args.placement
   TABLE_OPTIMIZER = args.table_optimizer
+  IDS, DEVICES = args.ids, args.devices
   if args.child:
     data = make_data(args.batches + args.test_batches)
     train, test = data[: args.batches], data[args.batches :]
@@ -484,13 +528,19 @@ def main() -> None:
     print(json.dumps({**result, "rss_data_gb": data_gb}))
     return
   results = {}
-  for who in ("ours", "torchrec"):
+  libs = args.libs.split(",")
+  for who in libs:
+    child, ids = LIBS[who]
     out = subprocess.run(
       [
         sys.executable,
         __file__,
         "--child",
-        who,
+        child,
+        "--ids",
+        ids,
+        "--devices",
+        str(args.devices),
         "--batches",
         str(args.batches),
         "--test-batches",
@@ -515,11 +565,11 @@ def main() -> None:
       results[who] = json.loads(out.stdout.strip().splitlines()[-1])
     print(who, results[who], flush=True)
   load = os.getloadavg()[0]
-  o, t = results["ours"], results["torchrec"]
+  o, t = (results[who] for who in libs)
   print(
     f"\n26-table DLRM, batch {BATCH}, {args.batches} training batches, "
     f"{args.test_batches} held out, tables {args.table_optimizer} (ours "
-    f"{args.table_dtype}); load "
+    f"{args.table_dtype}, {args.devices} devices); load "
     f"average {load:.1f}"
   )
   if "error" in o or "error" in t:
@@ -536,11 +586,12 @@ def main() -> None:
     ("RSS with the batches only, GB", "rss_data_gb", "{:.2f}", True),
     ("held-out AUC", "auc", "{:.4f}", False),
   ]
-  print(f"{'':32} {'ours':>10} {'TorchRec':>10} {'ours/TorchRec':>14}")
+  a, b = libs
+  print(f"{'':32} {a:>12} {b:>12} {a + '/' + b:>26}")
   for label, key, fmt, ratio in rows:
     r = f"{o[key] / t[key]:.2f}" if ratio and t[key] else ""
     print(
-      f"{label:32} {fmt.format(o[key]):>10} {fmt.format(t[key]):>10} {r:>14}"
+      f"{label:32} {fmt.format(o[key]):>12} {fmt.format(t[key]):>12} {r:>26}"
     )
 
 

@@ -599,3 +599,26 @@ def test_hashed_tables_stack_and_train_as_apart():
     for held in (stacked["users"], stacked["items"])
   ]
   assert not np.allclose(rows[0], rows[1])
+
+
+def test_a_batch_over_the_limits_is_refused_naming_the_feature():
+  spec = pzsc.FeatureSpec(
+    name="u",
+    table_spec=dataclasses.replace(
+      table_spec(64), max_ids_per_partition=64, max_unique_ids_per_partition=8
+    ),
+    input_shape=(B, K),
+    output_shape=(B, D),
+  )
+  embed = pzsc.SparseCoreEmbed.from_config(
+    "e", jax.random.key(0), {"u": spec}, mesh_of(2), limits="specs"
+  )
+  ids = np.arange(B * K, dtype=np.int64).reshape(B, K) * 7919 - 10**15
+  with pytest.raises(ValueError, match=r"features \['u'\].*unique ids"):
+    embed.preprocess({"u": ids})
+  # Strings that read like numbers are ids like any other; a batch within
+  # the limits goes through.
+  few = np.array([["nan", "inf", "-1"]] * B)
+  inputs, _ = embed.preprocess({"u": few})
+  acts = embed(embed.resolve_ids(inputs, step=0))["u"]
+  assert np.isfinite(np.asarray(acts.unwrap("batch", "embedding"))).all()
