@@ -22,6 +22,7 @@ namespace nb = nanobind;
 namespace pzsc {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CheckCooCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(HashedMapResolveCpu);
 #define PZSC_DECLARE_GRAD_CPU(Name, name, num_slots, num_hyperparameters, \
                               rule, shape0, shape1)                       \
   XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGrad##Name##Cpu);
@@ -112,6 +113,8 @@ NB_MODULE(_pzsc_ffi, m) {
     PZSC_OPTIMIZERS(PZSC_ADD_GRAD_CPU)
 #undef PZSC_ADD_GRAD_CPU
     add("pzsc_check_coo", "cpu", Capsule(pzsc::CheckCooCpu));
+    add("pzsc_hashed_map_resolve", "cpu",
+        Capsule(pzsc::HashedMapResolveCpu));
 #ifdef PZSC_WITH_CUDA
     add("pzsc_sparse_dense_matmul", "CUDA",
         Capsule(pzsc::SparseDenseMatmulCuda));

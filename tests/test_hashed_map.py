@@ -14,6 +14,7 @@ import functools
 import hashlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hashed_model import (
@@ -32,6 +33,7 @@ from pz_sparsecore.core import hashed
 from pz_sparsecore.core.hashed import Eviction
 from pz_sparsecore.device import hashed as device_hashed
 from pz_sparsecore.device.hashed import ShardMap
+from pz_sparsecore.device.kernels import ffi
 
 EMPTY = hashed.EMPTY
 NO = hashed.REFUSED
@@ -671,3 +673,127 @@ def test_eviction_values():
     hashed.as_eviction("t", "ttl")
   with pytest.raises(ValueError, match="table 't'.*must be an Eviction"):
     hashed.as_eviction("t", 3)
+
+
+# ---------------------------------------------------------------------------
+# The compiled handler against the JAX implementation.
+
+
+def _random_call(rng, shards, capacity, regions, n):
+  """`[S, n, 4]` ids of a few tables (duplicates, absent ids, homes at the
+  wraparound) for shards whose regions are `regions`."""
+  member = rng.integers(0, len(regions), (shards, n))
+  pool = rng.integers(-(2**63), 2**63 - 1, 3 * n, dtype=np.int64)
+  ids = pool[rng.integers(0, 3 * n, (shards, n))]
+  lo, hi = hashed.key_words(ids.reshape(-1))
+  rows = np.array([r for _, r in regions])[member]
+  home = rng.integers(0, 1 << 30, (shards, n)) % rows
+  home = np.where(rng.random((shards, n)) < 0.2, rows - 1, home)
+  home = np.where(rng.random((shards, n)) < 0.1, -1, home)
+  out = np.stack(
+    [lo.reshape(shards, n), hi.reshape(shards, n), home, member], -1
+  )
+  return out.astype(np.int32)
+
+
+@pytest.mark.skipif(
+  not ffi.available(ffi.HASHED_MAP_TARGET), reason="no compiled handler"
+)
+@pytest.mark.parametrize(
+  "eviction",
+  [
+    hashed.Eviction("lru"),
+    hashed.Eviction("lfu", decay_steps=3),
+    hashed.Eviction("lfu"),
+    hashed.Eviction("ttl", ttl_steps=2),
+    hashed.Eviction("none"),
+  ],
+  ids=lambda e: f"{e.policy}-{e.parameter}",
+)
+def test_compiled_handler_equals_the_jax_map(eviction):
+  rng = np.random.default_rng(31)
+  shards, capacity = 3, 200
+  regions = ((0, 40), (40, 96), (136, 64))
+  calls = {
+    impl: jax.jit(
+      functools.partial(
+        device_hashed.resolve_shards,
+        eviction=eviction,
+        regions=regions,
+        implementation=impl,
+      ),
+      static_argnames="train",
+    )
+    for impl in ("ffi", "reference")
+  }
+  maps = {
+    impl: device_hashed.ShardMap(
+      jnp.zeros((shards, capacity, 2), jnp.int32),
+      jnp.asarray(np.full((shards, capacity, 2), [hashed.EMPTY, 0], np.int32)),
+    )
+    for impl in calls
+  }
+  step = 0
+  for call in range(24):
+    ids = _random_call(rng, shards, capacity, regions, 96)
+    train = call % 5 != 4
+    got = {
+      impl: fn(jnp.asarray(ids), maps[impl], step, train=train)
+      for impl, fn in calls.items()
+    }
+    a, b = got["ffi"], got["reference"]
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    maps = {impl: r.map for impl, r in got.items()}
+    step += int(rng.integers(0, 3))
+  # The stream filled windows: slots were taken (and, but for "none",
+  # taken from other ids).
+  seen = np.asarray(maps["ffi"].seen)
+  assert (seen[..., 0] != hashed.EMPTY).mean() > 0.5
+
+
+@pytest.mark.skipif(
+  not ffi.available(ffi.HASHED_MAP_TARGET), reason="no compiled handler"
+)
+def test_compiled_handler_refuses_hostile_ids_and_keeps_the_map():
+  rng = np.random.default_rng(37)
+  regions = ((0, 40), (40, 24))
+  ids = _random_call(rng, 2, 64, regions, 32)
+  shard_map = device_hashed.ShardMap(
+    jnp.zeros((2, 64, 2), jnp.int32),
+    jnp.asarray(np.full((2, 64, 2), [hashed.EMPTY, 0], np.int32)),
+  )
+  good = device_hashed.resolve_shards(
+    jnp.asarray(ids),
+    shard_map,
+    1,
+    eviction=hashed.Eviction(),
+    train=True,
+    regions=regions,
+    implementation="ffi",
+  )
+  bad = ids.copy()
+  bad[1, 5, 2], bad[1, 5, 3] = 24, 1  # Home beyond table 1's 24 rows.
+  with pytest.raises(Exception, match="home"):
+    jax.block_until_ready(
+      device_hashed.resolve_shards(
+        jnp.asarray(bad),
+        good.map,
+        2,
+        eviction=hashed.Eviction(),
+        train=True,
+        regions=regions,
+        implementation="ffi",
+      )
+    )
+  # The next call with good ids works on the map the first call left.
+  again = device_hashed.resolve_shards(
+    jnp.asarray(ids),
+    good.map,
+    2,
+    eviction=hashed.Eviction(),
+    train=True,
+    regions=regions,
+    implementation="ffi",
+  )
+  np.testing.assert_array_equal(np.asarray(again.slots), np.asarray(good.slots))

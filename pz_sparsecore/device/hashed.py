@@ -28,7 +28,7 @@ from pz_sparsecore.core.plan import Plan
 from pz_sparsecore.core.preprocessed import PreprocessedInput
 from pz_sparsecore.core.specs import initializer_draw_key
 from pz_sparsecore.device.exchange.base import own_buffer_shape
-from pz_sparsecore.device.kernels import reference
+from pz_sparsecore.device.kernels import dispatch, ffi, reference
 from pz_sparsecore.device.topology import Topology
 
 _INT32_MAX = 2**31 - 1
@@ -261,6 +261,51 @@ def resolve_shard(
   )
 
 
+def resolve_shards(
+  ids: jax.Array,
+  shards: ShardMap,
+  step: jax.Array,
+  *,
+  eviction: hashed.Eviction,
+  train: bool,
+  regions: tuple[tuple[int, int], ...] | None = None,
+  implementation: str | None = None,
+) -> Resolved:
+  """`resolve_shard` of `S` shards at once (`ids` `[S, n, 4]`, the map's
+  arrays `[S, C, 2]`; the result's arrays with a leading `S`), by the
+  compiled handler where the platform has one, else by `resolve_shard`
+  (`kernels.dispatch`: never silently; `implementation` as there)."""
+  dispatch.check_implementation(implementation)
+
+  def reference_fn(ids, map_ids, seen, step):
+    got = jax.vmap(
+      lambda w, m: resolve_shard(
+        w, m, step, eviction=eviction, train=train, regions=regions
+      )
+    )(ids, ShardMap(map_ids, seen))
+    return got.slots, got.reset, got.map.ids, got.map.seen, got.counts
+
+  def ffi_fn(ids, map_ids, seen, step):
+    return ffi.hashed_map_resolve(
+      ids,
+      map_ids,
+      seen,
+      step,
+      policy=eviction.code,
+      parameter=eviction.parameter,
+      train=train,
+      regions=regions,
+    )
+
+  fn = dispatch.choose(
+    ffi.HASHED_MAP_TARGET, implementation, ffi_fn, reference_fn
+  )
+  slots, reset, map_ids, seen, counts = fn(
+    ids, shards.ids, shards.seen, jnp.asarray(step, jnp.int32)
+  )
+  return Resolved(slots, reset, ShardMap(map_ids, seen), counts)
+
+
 def _spread(slot, first, present, order) -> jax.Array:
   """Each id's slot in input order, from the slots of the first occurrences
   (`slot`, `first`, `present` in sorted order)."""
@@ -419,12 +464,14 @@ def local_resolve(
     jax.lax.all_to_all(sent, axis, 1, 1, tiled=True) if g > 1 else sent
   )  # [segment, source device, own shard, place, word]
   per_shard = got.transpose(2, 1, 0, 3, 4).reshape(s, -1, hashed.KEY_WORDS)
-  eviction, regions = stack.eviction, stack.regions(n)
-  resolved = jax.vmap(
-    lambda w, m: resolve_shard(
-      w, m, step, eviction=eviction, train=train, regions=regions
-    )
-  )(per_shard, ShardMap(stack_map.ids, stack_map.seen))
+  resolved = resolve_shards(
+    per_shard,
+    ShardMap(stack_map.ids, stack_map.seen),
+    step,
+    eviction=stack.eviction,
+    train=train,
+    regions=stack.regions(n),
+  )
   if train:
     table, slots = _reset(
       stack,

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pz_sparsecore import _extension
-from pz_sparsecore.core import optimizers
+from pz_sparsecore.core import hashed, optimizers
 from pz_sparsecore.device.kernels import contract
 
 ABI_HEADER = "abi_version.h"
@@ -90,6 +90,7 @@ installed one."""
 MODULE_NAME = "pz_sparsecore._pzsc_ffi"
 FORWARD_TARGET = "pzsc_sparse_dense_matmul"
 CHECK_TARGET = "pzsc_check_coo"
+HASHED_MAP_TARGET = "pzsc_hashed_map_resolve"
 
 
 class KernelFallbackWarning(RuntimeWarning):
@@ -501,4 +502,72 @@ def sparse_dense_matmul_grad(
   )
   return _to_varying(new_table, axes), tuple(
     _to_varying(s, axes) for s in new_slots
+  )
+
+
+def hashed_map_resolve(
+  ids: jax.Array,
+  map_ids: jax.Array,
+  map_seen: jax.Array,
+  step: jax.Array,
+  *,
+  policy: int,
+  parameter: int,
+  train: bool,
+  regions: Sequence[tuple[int, int]] | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Calls the hashed map handler (:data:`HASHED_MAP_TARGET`) on S shards.
+
+  One call of each shard's map, as ``device.hashed.resolve_shard``. The map
+  arrays are aliased to their results (updated in place when donated).
+
+  Args:
+    ids: int32 ``[S, n, 4]``: low word, high word, home (< 0: no id) and
+      table of each id; ``[S, n, 3]``: all of table 0.
+    map_ids: int32 ``[S, C, 2]``: each slot's id.
+    map_seen: int32 ``[S, C, 2]``: each slot's last step and count.
+    step: int32 scalar, the current step.
+    policy: The policy's index in ``hashed.POLICIES``
+      (``Eviction.code``).
+    parameter: ``Eviction.parameter``.
+    train: Insert and evict (training) or only look up (inference).
+    regions: Per table of the stack, its ``(first row, rows)`` in every
+      shard; None: one table of all ``C`` rows.
+
+  Returns:
+    ``(slots, reset, map_ids, map_seen, counts)``: int32 ``[S, n]``, bool
+    ``[S, n]``, the new map arrays, and int32 ``[S, len(hashed.COUNTERS)]``
+    (the call's changes of the counters).
+  """
+  num_shards, n = ids.shape[:2]
+  regions = regions or ((0, map_ids.shape[1]),)
+  per_id = jax.ShapeDtypeStruct((num_shards, n), jnp.int32)
+  call = jax.ffi.ffi_call(
+    HASHED_MAP_TARGET,
+    (
+      per_id,  # slots
+      per_id,  # reset
+      jax.ShapeDtypeStruct(map_ids.shape, jnp.int32),
+      jax.ShapeDtypeStruct(map_seen.shape, jnp.int32),
+      jax.ShapeDtypeStruct((num_shards, len(hashed.COUNTERS)), jnp.int32),
+    ),
+    input_output_aliases={1: 2, 2: 3},
+    vmap_method="sequential",
+  )
+  operands, axes = _unify_vma(
+    (ids, map_ids, map_seen, jnp.asarray(step, jnp.int32).reshape(()))
+  )
+  slots, reset, new_ids, new_seen, counts = call(
+    *operands,
+    policy=np.int32(policy),
+    parameter=np.int32(parameter),
+    train=np.int32(bool(train)),
+    regions=np.asarray(regions, np.int64).reshape(-1),
+  )
+  return (
+    _to_varying(slots, axes),
+    _to_varying(reset != 0, axes),
+    _to_varying(new_ids, axes),
+    _to_varying(new_seen, axes),
+    _to_varying(counts, axes),
   )
