@@ -176,7 +176,9 @@ def _prepare_stack(plan, stack, leaves, local: int) -> np.ndarray:
     if weight_leaf is not None:
       weight = ragged_input.to_ragged(f.name, weight_leaf, "weights")
       weight_leaf = (weight.values, weight.splits)
-    leaves[f.name] = (ragged, weight_leaf)
+    # A dense batch stays dense (the fastest form to read).
+    shape = id_leaf.shape if _is_dense(id_leaf) else None
+    leaves[f.name] = (shape, weight_leaf)
   values = np.concatenate([r.values for r in ids])
   keys = np.zeros((local * s, n, cap, hashed.KEY_WORDS), np.int32)
   keys[..., 2] = -1
@@ -194,9 +196,21 @@ def _prepare_stack(plan, stack, leaves, local: int) -> np.ndarray:
   at = 0
   for f, ragged in zip(features, ids, strict=True):
     end = at + len(ragged.values)
-    leaves[f.name] = ((place[at:end], ragged.splits), leaves[f.name][1])
+    shape, weights = leaves[f.name]
+    ids_of_f = (
+      (place[at:end], ragged.splits)
+      if shape is None
+      else place[at:end].reshape(shape)
+    )
+    leaves[f.name] = (ids_of_f, weights)
     at = end
   return keys.reshape(-1)
+
+
+def _is_dense(leaf: Any) -> bool:
+  return (
+    isinstance(leaf, np.ndarray) and leaf.ndim == 2 and leaf.dtype.kind in "iu"
+  )
 
 
 def _check_places(features, ids, place, n: int, capacity: int, most: int):
