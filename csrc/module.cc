@@ -30,6 +30,7 @@ PZSC_OPTIMIZERS(PZSC_DECLARE_GRAD_CPU)
 #undef PZSC_DECLARE_GRAD_CPU
 #ifdef PZSC_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(HashedMapResolveCuda);
 #define PZSC_DECLARE_GRAD_CUDA(Name, name, num_slots, num_hyperparameters, \
                                rule, shape0, shape1)                       \
   XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDenseMatmulGrad##Name##Cuda);
@@ -124,6 +125,8 @@ NB_MODULE(_pzsc_ffi, m) {
       Capsule(pzsc::SparseDenseMatmulGrad##Name##Cuda));
     PZSC_OPTIMIZERS(PZSC_ADD_GRAD_CUDA)
 #undef PZSC_ADD_GRAD_CUDA
+    add("pzsc_hashed_map_resolve", "CUDA",
+        Capsule(pzsc::HashedMapResolveCuda));
 #endif
     return regs;
   });
