@@ -210,6 +210,10 @@ def stream(seed: int, pool_size: int, steps: int):
     (2, 1, 32, 80, hashed.Eviction("lfu", decay_steps=2)),
     (4, 1, 64, 120, hashed.Eviction("ttl", ttl_steps=1)),
     (4, 1, 32, 60, "none"),  # Full shards refuse new ids.
+    # One device: the forward reads the preprocessor's sample order, its
+    # places made rows (none with refused ids).
+    (1, 1, 64, 120, "none"),
+    (1, 2, 64, 120, "lru"),
   ],
 )
 def test_trainer_matches_reference(g, s, capacity, pool, eviction):

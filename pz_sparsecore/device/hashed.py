@@ -452,9 +452,10 @@ def local_resolve(
     train: Insert and evict, or only look up.
 
   Returns:
-    `(stack_map, table, slots, embedding_ids)`: the ids now rows (places
-    of refused or unseen ids `PAD_ID`: they read zero and are not
-    updated).
+    `(stack_map, table, slots, embedding_ids, rows)`: the ids now rows
+    (places of refused or unseen ids `PAD_ID`: they read zero and are not
+    updated), and `rows`, int32 `[S, N, cap]`: the row of each local
+    segment's place in each partition (-1: none).
   """
   g, s, axis = topo.num_devices, topo.num_sc_per_device, topo.axis
   n, capacity = g * s, stack.rows_per_shard
@@ -503,7 +504,30 @@ def local_resolve(
     add_counters(stack_map.counters, resolved.counts),
     stack_map.seed,
   )
-  return new_map, table, slots, new_ids
+  return new_map, table, slots, new_ids, rows
+
+
+def resolved_order(stack, topo, order: jax.Array, rows: jax.Array):
+  """A one-device sample order (`PreprocessedInput.sample_order`) whose
+  pairs name places, with rows instead (`rows`: `[S, N, cap]` per segment,
+  partition and place, as `local_resolve` found them). A batch with a
+  refused or unseen id gets none (its first start -1: the forward then
+  reads the buffers, which skip that id)."""
+  s, b = topo.num_sc_per_device, stack.samples_per_sc
+  capacity, cap = stack.rows_per_shard, rows.shape[-1]
+  starts, pairs = order[: s * b + 1], order[s * b + 1 :].reshape(-1, 2)
+  index = jnp.arange(pairs.shape[0], dtype=jnp.int32)
+  used = (index < starts[-1]) & (starts[0] >= 0)
+  segment = jnp.clip(
+    (jnp.searchsorted(starts, index, side="right") - 1) // b, 0, s - 1
+  )
+  part = jnp.clip(pairs[:, 0] // capacity, 0, rows.shape[1] - 1)
+  place = pairs[:, 0] % capacity
+  row = rows[segment, part, jnp.clip(place, 0, cap - 1)]
+  missing = jnp.any(used & ((row < 0) | (place >= cap)))
+  new = jnp.where(used, part * capacity + row, pairs[:, 0])
+  starts = starts.at[0].set(jnp.where(missing, -1, starts[0]))
+  return jnp.concatenate([starts, jnp.stack([new, pairs[:, 1]], 1).reshape(-1)])
 
 
 def hashed_stacks(plan: Plan) -> list[Any]:
@@ -517,7 +541,7 @@ def _resolve(static, train, maps, tables, slots, inputs, step):
   stacks = hashed_stacks(plan)
 
   def body(maps, tables, slots, inputs, step):
-    out = ({}, {}, {}, {})
+    out = ({}, {}, {}, {}, {})
     for stack in stacks:
       name = stack.name
       buffers = (
@@ -539,9 +563,14 @@ def _resolve(static, train, maps, tables, slots, inputs, step):
       )
       for o, part in zip(out, parts, strict=True):
         o[name] = part
+      if inputs.sample_order is not None:
+        out[4][name] = resolved_order(
+          stack, topo, inputs.sample_order[name], out[4][name]
+        )
+    orders = out[4] if inputs.sample_order is not None else {}
     if not train:
-      return out[0], out[3]
-    return out
+      return out[0], out[3], orders
+    return out[:4] + (orders,)
 
   axis = P(topo.axis)
   map_spec = StackMap(axis, axis, axis, P())
@@ -557,6 +586,7 @@ def _resolve(static, train, maps, tables, slots, inputs, step):
     {k: map_spec for k in names},
     *((in_specs[1], in_specs[2]) if train else ()),
     {k: axis for k in names},
+    {k: axis for k in names} if inputs.sample_order is not None else {},
   )
   out = jax.shard_map(
     body,
@@ -565,13 +595,15 @@ def _resolve(static, train, maps, tables, slots, inputs, step):
     out_specs=out_specs,
     check_vma=False,
   )(maps, tables, slots, inputs, step)
-  new_maps, new_ids = out[0], out[-1]
+  new_maps, new_ids, orders = out[0], out[-2], out[-1]
   resolved = dataclasses.replace(
     inputs,
     lhs_embedding_ids={**inputs.lhs_embedding_ids, **new_ids},
     hashed_ids=None,
-    # It restates the places, not the rows (`host.sample_order`).
-    sample_order=None,
+    # Its pairs name rows now, as the buffers do.
+    sample_order=None
+    if inputs.sample_order is None
+    else {**inputs.sample_order, **orders},
   )
   if train:
     return new_maps, out[1], out[2], resolved

@@ -35,12 +35,9 @@ from pz_sparsecore.core import plan as plan_lib
 
 def applies(plan: plan_lib.Plan) -> bool:
   """Whether buffers for `plan` carry a sample order (one device, one
-  minibatch, no hashed table: its ids become rows on the device)."""
-  return (
-    plan.num_devices == 1
-    and plan.minibatches == 1
-    and not any(stack.is_hashed for stack in plan.stacks)
-  )
+  minibatch; a hashed stack's names places, made rows on the device with
+  its buffers: `device.hashed`)."""
+  return plan.num_devices == 1 and plan.minibatches == 1
 
 
 def values_per_device(plan: plan_lib.Plan, stack: plan_lib.StackPlan) -> int:
