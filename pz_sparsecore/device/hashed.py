@@ -518,9 +518,11 @@ def resolved_order(stack, topo, order: jax.Array, rows: jax.Array):
   starts, pairs = order[: s * b + 1], order[s * b + 1 :].reshape(-1, 2)
   index = jnp.arange(pairs.shape[0], dtype=jnp.int32)
   used = (index < starts[-1]) & (starts[0] >= 0)
-  segment = jnp.clip(
-    (jnp.searchsorted(starts, index, side="right") - 1) // b, 0, s - 1
-  )
+  segment = jnp.zeros_like(index)
+  if s > 1:
+    segment = jnp.clip(
+      (jnp.searchsorted(starts, index, side="right") - 1) // b, 0, s - 1
+    )
   part = jnp.clip(pairs[:, 0] // capacity, 0, rows.shape[1] - 1)
   place = pairs[:, 0] % capacity
   row = rows[segment, part, jnp.clip(place, 0, cap - 1)]
