@@ -516,25 +516,57 @@ def test_describe_and_pictures_show_the_map():
   assert "ids held per shard" in pzsc.viz.to_html(embed)
 
 
-def test_restore_onto_other_shards_is_refused_naming_the_stack(tmp_path):
-  trainer = trainer_of(build(4, 64, "lru"))
-  for ids, g_acts in stream(19, 100, 2):
+def test_restore_onto_other_shards_moves_every_id_to_its_owner(tmp_path):
+  """Saved on 4 shards, restored on 8 and on 2 (x 2 SparseCores): every
+  held id (unless its new window is full) on its new owner, with its row,
+  optimizer slot, last step and count bit for bit; training goes on."""
+  adagrad = pzsc.AdagradOptimizerSpec(learning_rate=0.3)
+  trainer = trainer_of(build(4, 128, "lru", optimizer=adagrad))
+  batches = list(stream(19, 100, 4))
+  for ids, g_acts in batches[:2]:
     inputs, _ = trainer.model.embed.preprocess({"u": ids})
     trainer.step(inputs=inputs, g=jnp.asarray(g_acts))
   pzsc.save_checkpoint(tmp_path / "c", trainer, step=2)
-  other = trainer_of(build(8, 64, "lru", seed=3))
-  before = np.asarray(table_arrays(other.model.embed)["users"])
-  with pytest.raises(ValueError, match="hashed stack 'e/users'.*4 shards"):
-    pzsc.restore_checkpoint(tmp_path / "c", other)
-  np.testing.assert_array_equal(
-    np.asarray(table_arrays(other.model.embed)["users"]), before
-  )
-  # The same shards restore.
-  same = pzsc.restore_checkpoint(tmp_path / "c", trainer_of(build(4, 64)))
-  np.testing.assert_array_equal(
-    pzsc.logical_tables(same.model.embed)["users"].ids,
-    pzsc.logical_tables(trainer.model.embed)["users"].ids,
-  )
+  saved = pzsc.logical_tables(trainer.model.embed)["users"]
+  saved_slots = np.asarray(slot_arrays(trainer.model.embed)["users"][0])
+  saved_counters = np.asarray(
+    trainer.model.embed.maps["users"]["counters"].value
+  ).sum(0)
+  for g, s in ((8, 1), (1, 2)):
+    other = trainer_of(build(g, 128, "lru", s=s, optimizer=adagrad, seed=3))
+    other = pzsc.restore_checkpoint(tmp_path / "c", other)
+    embed = other.model.embed
+    held = pzsc.logical_tables(embed)["users"]
+    n = embed.config.plan.num_shards
+    assert set(held.ids) <= set(saved.ids)
+    counters = np.asarray(embed.maps["users"]["counters"].value).sum(0)
+    dropped = len(saved.ids) - len(held.ids)
+    assert counters[0] == len(held.ids)
+    assert counters[2] == saved_counters[2] + dropped
+    np.testing.assert_array_equal(
+      counters[[1, 3, 4]], saved_counters[[1, 3, 4]]
+    )
+    np.testing.assert_array_equal(held.shards, hashed.owners(held.ids, n))
+    at = np.searchsorted(saved.ids, held.ids)
+    np.testing.assert_array_equal(held.rows, saved.rows[at])
+    np.testing.assert_array_equal(held.last_seen, saved.last_seen[at])
+    np.testing.assert_array_equal(held.counts, saved.counts[at])
+    slots = np.asarray(slot_arrays(embed)["users"][0])
+    np.testing.assert_array_equal(
+      slots[held.shards, held.slots],
+      saved_slots[saved.shards[at], saved.slots[at]],
+    )
+    # Each id in its window on its new owner.
+    rows = embed.config.plan.stacks[0].rows_per_shard
+    home = hashed.homes(held.ids, rows)
+    assert np.all((held.slots - home) % rows < hashed.window(rows))
+    # Training goes on: held ids are hits.
+    for ids, g_acts in batches[2:]:
+      inputs, _ = embed.preprocess({"u": ids})
+      other.step(inputs=inputs, g=jnp.asarray(g_acts))
+    assert np.isfinite(
+      np.asarray(table_arrays(other.model.embed)["users"])
+    ).all()
 
 
 def test_hashed_tables_stack_and_train_as_apart():
@@ -626,3 +658,34 @@ def test_a_batch_over_the_limits_is_refused_naming_the_feature():
   inputs, _ = embed.preprocess({"u": few})
   acts = embed(embed.resolve_ids(inputs, step=0))["u"]
   assert np.isfinite(np.asarray(acts.unwrap("batch", "embedding"))).all()
+
+
+def test_delta_checkpoints_keep_the_maps(tmp_path):
+  embed = build(4, 64, "lru")
+  trainer = pzsc.SparseCoreTrainer.build(
+    jax.random.key(1),
+    Model(embed=embed),
+    optax.sgd(0.1),
+    loss_fn,
+    track_touched=True,
+  )
+  batches = list(stream(29, 140, 6))
+  for step, (ids, g_acts) in enumerate(batches):
+    inputs, _ = trainer.model.embed.preprocess({"u": ids})
+    trainer.step(inputs=inputs, g=jnp.asarray(g_acts))
+    if step == 1:
+      pzsc.save_checkpoint(tmp_path, trainer, step=2, keep=None)
+    elif step > 1:
+      pzsc.save_checkpoint(
+        tmp_path, trainer, step=step + 1, keep=None, delta=True
+      )
+  restored = pzsc.restore_checkpoint(tmp_path, trainer_of(build(4, 64)))
+  a = pzsc.logical_tables(restored.model.embed)["users"]
+  b = pzsc.logical_tables(trainer.model.embed)["users"]
+  for field in a._fields:
+    np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+  for part in ("ids", "seen", "counters", "seed"):
+    np.testing.assert_array_equal(
+      np.asarray(restored.model.embed.maps["users"][part].value),
+      np.asarray(trainer.model.embed.maps["users"][part].value),
+    )

@@ -12,6 +12,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from pz_sparsecore.core.hashed import PROBE_SLOTS
+
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
@@ -89,3 +91,36 @@ def places(
       probe = (probe + np.uint64(1)) & mask
     place[i] = r * num_shards + owner
   return most
+
+
+@numba.njit(cache=True, nogil=True)
+def rehome(
+  owner: np.ndarray,
+  home: np.ndarray,
+  member: np.ndarray,
+  region_first: np.ndarray,
+  region_rows: np.ndarray,
+  free: np.ndarray,
+) -> np.ndarray:
+  """Slots for held ids on new shards, in the given order: each takes the
+  first free slot of its window (`core.hashed`); -1 if none is free.
+
+  Args:
+    owner, home, member: int64 `[n]`: each id's new shard, home in its
+      table's region, and table.
+    region_first, region_rows: int64, each table's region in a shard.
+    free: bool `[N, C]`, every slot free; written as slots are taken.
+
+  Returns:
+    int64 `[n]`: each id's slot in its shard (-1: dropped).
+  """
+  out = np.full(len(owner), -1, np.int64)
+  for i in range(len(owner)):
+    first, rows = region_first[member[i]], region_rows[member[i]]
+    for j in range(min(rows, PROBE_SLOTS)):
+      slot = first + (home[i] + j) % rows
+      if free[owner[i], slot]:
+        free[owner[i], slot] = False
+        out[i] = slot
+        break
+  return out

@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 from penzai import pz
 
 from pz_sparsecore.core import optimizers
+from pz_sparsecore.nn._ckpt_hashed import moved
 from pz_sparsecore.nn._ckpt_layout import (
   Source,
   StackLayout,
@@ -215,10 +216,16 @@ class Reads:
     args = {}
     target, values = description.manifest, description.values
     labels = list(target["variables"])
+    # A hashed map saved for other shards is read to the host (and moved
+    # by `_ckpt_hashed.rehome`).
+    elsewhere = {
+      target["variables"][label]["array"]
+      for label in moved(stored["variables"], target["variables"])
+    }
     variables = _leaf_reads(
       [stored["variables"][label] for label in labels],
       [target["variables"][label] for label in labels],
-      values,
+      {k: v for k, v in values.items() if k not in elsewhere},
       args,
     )
     trainer = None
