@@ -689,3 +689,39 @@ def test_delta_checkpoints_keep_the_maps(tmp_path):
       np.asarray(restored.model.embed.maps["users"][part].value),
       np.asarray(trainer.model.embed.maps["users"][part].value),
     )
+
+
+def test_sixteen_bit_rowwise_hashed_table_trains():
+  """A bfloat16 hashed table with row-wise Adagrad: the map as the model's,
+  rows stored in bfloat16 and finite, one accumulator per row."""
+  spec = pzsc.FeatureSpec(
+    name="u",
+    table_spec=dataclasses.replace(
+      table_spec(64, optimizer=pzsc.RowwiseAdagradOptimizerSpec(0.2)),
+      dtype=jnp.bfloat16,
+    ),
+    input_shape=(B, K),
+    output_shape=(B, D),
+  )
+  embed = pzsc.SparseCoreEmbed.from_config(
+    "e", jax.random.key(0), {"u": spec}, mesh_of(4)
+  )
+  ref = Reference(embed, "lru")
+  trainer = trainer_of(embed)
+  batches = list(stream(41, 120, 4))
+  for step, (ids, g_acts) in enumerate(batches):
+    inputs, _ = trainer.model.embed.preprocess({"u": ids})
+    trainer.step(inputs=inputs, g=jnp.asarray(g_acts))
+    ref.resolve(ids, step, True)
+  embed = trainer.model.embed
+  for p, shard in enumerate(ref.shards):
+    np.testing.assert_array_equal(
+      np.asarray(embed.maps["users"]["ids"].value)[p], shard.ids
+    )
+    np.testing.assert_array_equal(
+      np.asarray(embed.maps["users"]["seen"].value)[p], shard.seen
+    )
+  assert table_arrays(embed)["users"].dtype == jnp.bfloat16
+  assert slot_arrays(embed)["users"][0].shape[-1] == 1
+  held = pzsc.logical_tables(embed)["users"]
+  assert np.isfinite(held.rows).all() and len(held.ids) == 64
