@@ -725,3 +725,40 @@ def test_sixteen_bit_rowwise_hashed_table_trains():
   assert slot_arrays(embed)["users"][0].shape[-1] == 1
   held = pzsc.logical_tables(embed)["users"]
   assert np.isfinite(held.rows).all() and len(held.ids) == 64
+
+
+def test_bcoo_ids_and_fit_with_limits_refreshed():
+  """Raw ids as a BCOO read as the dense batch does; `fit` refreshing the
+  limits from the batches keeps the map (the new layer shares it)."""
+  from jax.experimental import sparse
+
+  embed = build(2, 64, "lru")
+  rng = np.random.default_rng(43)
+  dense = rng.integers(-(2**31), 2**31 - 1, size=(B, K)).astype(np.int32)
+
+  def acts(features):
+    inputs, _ = embed.preprocess({"u": features})
+    resolved = embed.resolve_ids(inputs, step=0)
+    return np.asarray(embed(resolved)["u"].unwrap("batch", "embedding"))
+
+  want = acts(dense.astype(np.int64))
+  where = np.stack(np.nonzero(np.ones((B, K))), 1)
+  bcoo = sparse.BCOO(
+    (jnp.asarray(dense.reshape(-1)), jnp.asarray(where)), shape=(B, K)
+  )
+  np.testing.assert_array_equal(acts(bcoo), want)
+
+  trainer = trainer_of(build(4, 64, "lru"))
+  ref = Reference(trainer.model.embed, "lru")
+  batches = list(stream(3, 100, 6))
+
+  def prep(batch):
+    inputs, _ = trainer.model.embed.preprocess({"u": batch[0]})
+    return {"inputs": inputs, "g": jnp.asarray(batch[1])}
+
+  trainer.fit(batches, prep, refresh_limits_every=2)
+  for step, (ids, g_acts) in enumerate(batches):
+    ref.train(ids, g_acts, step)
+  embed = trainer.model.embed
+  assert embed.config.plan.stacks[0].spec.max_unique_ids_per_partition < 64
+  check_state(embed, ref)
