@@ -397,6 +397,42 @@ def new_rows(stack, seed: jax.Array, words: jax.Array) -> jax.Array:
   return rows
 
 
+RESET_CHUNK = 256
+"""Rows drawn at a time for the ids given rows in a call: the draws cost
+O(new ids), not O(ids sent)."""
+
+
+def _write_new_rows(stack, table, shard, target, words, seed):
+  """`table` with each reset id's new row (`new_rows`) at `(shard,
+  target)` (`target` out of range: no reset), drawn `RESET_CHUNK` ids at a
+  time, as many chunks as there are reset ids."""
+  capacity = table.shape[1]
+  flat_target, flat_shard = target.reshape(-1), shard.reshape(-1)
+  flat_words = words.reshape(-1, words.shape[-1])
+  n = flat_target.shape[0]
+  count = jnp.sum(flat_target < capacity, dtype=jnp.int32)
+  chunk = min(RESET_CHUNK, n)
+  at = jnp.nonzero(flat_target < capacity, size=n + chunk, fill_value=n)[0]
+  # Index n (past the end) reads a padded entry whose target is dropped.
+  flat_target = jnp.append(flat_target, capacity)
+  flat_shard = jnp.append(flat_shard, 0)
+  flat_words = jnp.concatenate([flat_words, flat_words[:1]])
+
+  def body(state):
+    i, table = state
+    pick = jax.lax.dynamic_slice_in_dim(at, i * chunk, chunk)
+    rows = new_rows(stack, seed, flat_words[pick])
+    table = table.at[flat_shard[pick], flat_target[pick]].set(
+      rows.astype(table.dtype), mode="drop"
+    )
+    return i + 1, table
+
+  _, table = jax.lax.while_loop(
+    lambda state: state[0] * chunk < count, body, (jnp.int32(0), table)
+  )
+  return table
+
+
 def _reset(stack, table, slots, slot_rows, reset, words, seed):
   """The table and optimizer slots with the reset rows of each local shard
   written (`slot_rows`, `reset`, `words`: `[S, n]`, `[S, n]`, `[S, n, 4]`)."""
@@ -405,10 +441,7 @@ def _reset(stack, table, slots, slot_rows, reset, words, seed):
   shard = jnp.broadcast_to(
     jnp.arange(s, dtype=jnp.int32)[:, None], target.shape
   )
-  rows = new_rows(stack, seed, words.reshape(-1, words.shape[-1]))
-  table = table.at[shard, target].set(
-    rows.reshape(*target.shape, -1).astype(table.dtype), mode="drop"
-  )
+  table = _write_new_rows(stack, table, shard, target, words, seed)
   new_slots = []
   for value, init in zip(
     slots, stack.optimizer.slot_variables_initializers(), strict=True
