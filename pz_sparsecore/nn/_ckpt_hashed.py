@@ -70,8 +70,7 @@ def rehome(
       if not stack.is_hashed:
         continue
       labels = {p: config.map_label(stack.name, p) for p in MAP_PARTS}
-      ids = np.asarray(values[labels["ids"]])
-      if ids.shape[0] == config.topology.num_shards:
+      if values[labels["ids"]].shape[0] == config.topology.num_shards:
         continue
       old = StackLayout.from_json(layer[stack.name]["layout"])
       _rehome_stack(embed, stack, old, labels, values)

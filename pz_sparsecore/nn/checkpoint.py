@@ -112,7 +112,7 @@ from pz_sparsecore.nn._ckpt_delta import (
   parent_of_save,
   saved,
 )
-from pz_sparsecore.nn._ckpt_hashed import moved, rehome
+from pz_sparsecore.nn._ckpt_hashed import rehome
 from pz_sparsecore.nn._ckpt_integrity import (
   block_shape,
   chunk_digests,
@@ -604,8 +604,7 @@ def _restore(
   op.sync("read", f"reading {path}")
   leaves = None if reads.trainer is None else reads.trainer_leaves(arrays)
   values, leaves = chain.apply(model, reads.values(arrays), leaves, updates)
-  if moved(stored["variables"], description.manifest["variables"]):
-    values = rehome(model, stored, values)
+  values = rehome(model, stored, values)
   if reads.trainer is None:
     return _assign(model, values)
   restored = restored_trainer(

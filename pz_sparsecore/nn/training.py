@@ -426,11 +426,11 @@ def _resolve_hashed_ids(
   new ids: `SparseCoreEmbed.resolve_ids`), and the variables that changed:
   `(state_vars, tables, slots, kwargs)`, frozen as they came."""
   groups = (state_vars, tables, slots)
+  if not any(e.maps for e in find_embeds(stateless_model)):
+    return (*groups, kwargs)
   mutable = tuple(tuple(v.unfreeze_as_copy() for v in g) for g in groups)
   model = pz.bind_variables(stateless_model, sum(mutable, ()))
   embeds = [e for e in find_embeds(model) if e.maps]
-  if not embeds:
-    return (*groups, kwargs)
 
   def resolve(leaf: Any) -> Any:
     if not isinstance(leaf, PreprocessedInput) or leaf.hashed_ids is None:

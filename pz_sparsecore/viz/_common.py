@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import numpy as np
 import treescope
 from treescope import figures
 
@@ -87,3 +89,12 @@ def device_legend(
       for i in range(0, len(items), per_line)
     ),
   ]
+
+
+def is_concrete(x: Any) -> bool:
+  """Whether `x` holds readable host or device data (not a tracer/shape)."""
+  if isinstance(x, np.ndarray):
+    return True
+  if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+    return False
+  return x.is_fully_addressable

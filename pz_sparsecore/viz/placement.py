@@ -40,7 +40,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 import treescope
 from jax.sharding import Mesh
@@ -48,7 +47,7 @@ from treescope import figures, rendering_parts
 
 from pz_sparsecore.core import hashed, layout
 from pz_sparsecore.core import plan as plan_lib
-from pz_sparsecore.viz._common import device_legend, plan_of
+from pz_sparsecore.viz._common import device_legend, is_concrete, plan_of
 
 __all__ = [
   "MAX_ROWS",
@@ -455,9 +454,7 @@ def _hashed_lines(embed: Any, name: str) -> tuple[list[Any], dict[int, str]]:
     "one"
   )
   seen = getattr(embed.maps[stack.name]["seen"], "value", None)
-  if not isinstance(seen, (np.ndarray, jax.Array)) or isinstance(
-    seen, jax.core.Tracer
-  ):
+  if not is_concrete(seen):
     return [f"hashed table {name!r}: no map values to draw", rule], labels
   held = np.asarray(seen)[:, first : first + c, 0] != hashed.EMPTY
   shown = min(c, MAX_HASHED_SLOTS)

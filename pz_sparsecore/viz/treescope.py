@@ -54,7 +54,6 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from treescope import (
   context,
@@ -77,6 +76,7 @@ from pz_sparsecore.core.specs import (
   StackedTableSpec,
   TableSpec,
 )
+from pz_sparsecore.viz._common import is_concrete
 
 Renderer = renderers.TreescopeSubtreeRenderer
 
@@ -116,15 +116,6 @@ def optimizer_summary(optimizer: OptimizerSpec) -> str:
 def table_rows_per_shard(table: TableSpec, num_shards: int) -> int:
   """Rows of each shard that a member table of a stack occupies."""
   return table.setting_in_stack.padded_vocab_size // num_shards
-
-
-def _is_concrete(x: Any) -> bool:
-  """Whether `x` holds readable host or device data (not a tracer/shape)."""
-  if isinstance(x, np.ndarray):
-    return True
-  if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
-    return False
-  return x.is_fully_addressable
 
 
 def _shape_text(x: Any) -> str:
@@ -274,9 +265,7 @@ def map_lines(embed: Any, stack: str) -> list[str]:
   """A hashed stack's map: rows held per shard and its counters (nothing
   if the values are not concrete, e.g. slots or traced)."""
   counters = getattr(embed.maps[stack]["counters"], "value", None)
-  if not isinstance(counters, (np.ndarray, jax.Array)) or isinstance(
-    counters, jax.core.Tracer
-  ):
+  if not is_concrete(counters):
     return []
   counters = np.asarray(counters, np.int64)
   capacity = embed.config.plan.stack(stack).rows_per_shard
@@ -433,7 +422,7 @@ def inputs_details(inputs: Any, num_shards: int | None = None) -> list[str]:
     line = (
       f"{stack}: row pointers {_shape_text(rp)}, COO buffers {_shape_text(ids)}"
     )
-    if _is_concrete(rp) and _is_concrete(ids):
+    if is_concrete(rp) and is_concrete(ids):
       valid = buffer_format.count_valid_entries(rp, ids, num_shards)
       line += f"; {valid} valid entries of {size} ({valid / size:.1%})"
     lines.append(line)
@@ -446,7 +435,7 @@ def inputs_summary(inputs: Any) -> str:
   text = f"{len(stacks)} stack{'s' if len(stacks) != 1 else ''}"
   arrays = [*inputs.lhs_row_pointers.values()]
   arrays += list(inputs.lhs_embedding_ids.values())
-  if stacks and all(_is_concrete(x) for x in arrays):
+  if stacks and all(is_concrete(x) for x in arrays):
     valid = sum(
       buffer_format.count_valid_entries(
         inputs.lhs_row_pointers[s], inputs.lhs_embedding_ids[s], None
@@ -456,14 +445,14 @@ def inputs_summary(inputs: Any) -> str:
     size = sum(int(np.prod(x.shape)) for x in inputs.lhs_embedding_ids.values())
     text += f", {valid} valid entries of {size} ({valid / size:.1%})"
   count = inputs.num_minibatches
-  if count is not None and _is_concrete(count):
+  if count is not None and is_concrete(count):
     n = int(np.max(np.asarray(count)))
     text += f", {n} minibatch{'es' if n != 1 else ''}"
   return text
 
 
 def _max(x: Any) -> int | None:
-  if not _is_concrete(x):
+  if not is_concrete(x):
     return None
   x = np.asarray(x)
   return int(x.max()) if x.size else 0
@@ -535,7 +524,7 @@ def stats_details(
 
 
 def _is_concrete_scalar(x: Any) -> bool:
-  return isinstance(x, (int, np.integer)) or _is_concrete(x)
+  return isinstance(x, (int, np.integer)) or is_concrete(x)
 
 
 def stats_summary(stats: Any) -> str:
