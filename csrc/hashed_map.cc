@@ -21,15 +21,15 @@
 // if XLA gave distinct buffers), counts s32[S, 5] (this call's changes of
 // held, inserted, evicted, refused, unseen).
 //
-// Per shard: the present ids are sorted by table, then by their value as an
-// unsigned 64-bit word, ties in input order; each distinct (table, id) is
-// looked up in its window (W = min(rows, 64) slots first + (home + i) % rows
-// of its table's region, from its first occurrence's home) against the map
-// before the call. In training every hit's seen becomes (step,
-// decayed(count) + 1, saturating; only lfu counts decay); then the misses,
-// in sorted order, take the first free slot of their window or a policy
-// victim, one after another. Every occurrence of an id gets the slot of its
-// first one. Shards run in parallel, each on its own rows of every array.
+// Per shard: each distinct (table, id) among the present ids (found with a
+// hash set, in order of first occurrence) is looked up in its window (W =
+// min(rows, 64) slots first + (home + i) % rows of its table's region, from
+// its first occurrence's home) against the map before the call. In training
+// every hit's seen becomes (step, decayed(count) + 1, saturating; only lfu
+// counts decay); then the misses, sorted by table, then by id as an unsigned
+// 64-bit word, take the first free slot of their window or a policy victim,
+// one after another. Every occurrence of an id gets the slot of its first
+// one. Shards run in parallel, each on its own rows of every array.
 //
 // Every operand is checked before the first write: a present id's home at
 // or beyond its region's rows, shapes that disagree, regions outside the
@@ -128,8 +128,8 @@ struct Shard {
   int32_t* counts;     // [kNumCounters]
 };
 
-// A present id of the shard: its table, its words as an unsigned 64-bit
-// value, and its input index.
+// A distinct (table, id) of the shard: its table, its words as an unsigned
+// 64-bit value, and its first input index.
 struct Entry {
   int64_t table;
   uint64_t key;
@@ -204,10 +204,23 @@ int64_t PickSlot(const Config& cfg, const Shard& shard, const Group& g,
   return victim;
 }
 
+// A 64-bit mix of an id's words and its table (the SplitMix64 finalizer).
+uint64_t Mix(uint64_t key, int64_t table) {
+  uint64_t z = key ^ (static_cast<uint64_t>(table) * 0x9E3779B97F4A7C15ULL);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
 // One call of one shard's map.
 void ResolveShard(const Config& cfg, const Shard& shard) {
-  std::vector<Entry> entries;
-  entries.reserve(cfg.n);
+  // The distinct (table, id)s in order of first occurrence (an open
+  // addressing set of group numbers), and each input's group (-1: no id).
+  std::vector<Entry> firsts;  // Each group's table, key and first index.
+  std::vector<int32_t> group_of(cfg.n, -1);
+  int64_t size = 1;
+  while (size < 2 * cfg.n + 2) size *= 2;
+  std::vector<int32_t> set(size, -1);
   for (int64_t j = 0; j < cfg.n; ++j) {
     const int32_t* id = shard.ids + j * cfg.key_words;
     shard.slots[j] = kRefused;
@@ -216,31 +229,30 @@ void ResolveShard(const Config& cfg, const Shard& shard) {
     if (table < 0) continue;
     const uint64_t key = (uint64_t{static_cast<uint32_t>(id[1])} << 32) |
                          uint64_t{static_cast<uint32_t>(id[0])};
-    entries.push_back({table, key, j});
-  }
-  // (table, key, index) is a total order: a stable sort by (table, key).
-  std::sort(entries.begin(), entries.end(),
-            [](const Entry& a, const Entry& b) {
-              if (a.table != b.table) return a.table < b.table;
-              return a.key != b.key ? a.key < b.key : a.index < b.index;
-            });
-
-  // Groups of equal (table, key): [starts[g], starts[g + 1]) of `entries`.
-  std::vector<int64_t> starts;
-  std::vector<Group> groups;
-  for (int64_t e = 0; e < static_cast<int64_t>(entries.size()); ++e) {
-    const Entry& entry = entries[e];
-    if (e > 0 && entry.table == entries[e - 1].table &&
-        entry.key == entries[e - 1].key) {
-      continue;
+    uint64_t probe = Mix(key, table) & static_cast<uint64_t>(size - 1);
+    while (true) {
+      const int32_t g = set[probe];
+      if (g < 0) {
+        set[probe] = static_cast<int32_t>(firsts.size());
+        group_of[j] = static_cast<int32_t>(firsts.size());
+        firsts.push_back({table, key, j});
+        break;
+      }
+      if (firsts[g].table == table && firsts[g].key == key) {
+        group_of[j] = g;
+        break;
+      }
+      probe = (probe + 1) & static_cast<uint64_t>(size - 1);
     }
-    const int32_t* id = shard.ids + entry.index * cfg.key_words;
-    const Region region = cfg.regions[entry.table];
-    starts.push_back(e);
-    groups.push_back({id, region, id[2],
-                      std::min(region.rows, kProbeSlots), kRefused});
   }
-  starts.push_back(static_cast<int64_t>(entries.size()));
+  std::vector<Group> groups;
+  groups.reserve(firsts.size());
+  for (const Entry& first : firsts) {
+    const int32_t* id = shard.ids + first.index * cfg.key_words;
+    const Region region = cfg.regions[first.table];
+    groups.push_back({id, region, id[2], std::min(region.rows, kProbeSlots),
+                      kRefused});
+  }
 
   // Hits, all against the map before the call.
   for (Group& g : groups) g.slot = FindHit(shard, g);
@@ -252,8 +264,12 @@ void ResolveShard(const Config& cfg, const Shard& shard) {
     // Every hit's new seen, from the map before the call (regions that
     // overlap may give two groups one slot: both write the same values).
     std::vector<int32_t> bumped(groups.size());
+    std::vector<int32_t> misses;
     for (size_t g = 0; g < groups.size(); ++g) {
-      if (groups[g].slot < 0) continue;
+      if (groups[g].slot < 0) {
+        misses.push_back(static_cast<int32_t>(g));
+        continue;
+      }
       const int32_t* seen = shard.map_seen + groups[g].slot * kSlotWords;
       const int32_t count =
           Decayed(seen[1], seen[0], cfg.step, cfg.decay_steps);
@@ -265,10 +281,16 @@ void ResolveShard(const Config& cfg, const Shard& shard) {
       seen[0] = cfg.step;
       seen[1] = bumped[g];
     }
-    // Misses, one after another in sorted order.
-    for (size_t g = 0; g < groups.size(); ++g) {
+    // Misses, one after another in ascending order of table, then id as an
+    // unsigned word (the groups are distinct: a total order).
+    std::sort(misses.begin(), misses.end(), [&](int32_t a, int32_t b) {
+      if (firsts[a].table != firsts[b].table) {
+        return firsts[a].table < firsts[b].table;
+      }
+      return firsts[a].key < firsts[b].key;
+    });
+    for (const int32_t g : misses) {
       Group& group = groups[g];
-      if (group.slot >= 0) continue;
       bool evicts = false;
       const int64_t chosen = PickSlot(cfg, shard, group, &evicts);
       if (chosen < 0) {
@@ -280,16 +302,14 @@ void ResolveShard(const Config& cfg, const Shard& shard) {
       shard.map_seen[chosen * kSlotWords] = cfg.step;
       shard.map_seen[chosen * kSlotWords + 1] = 1;
       group.slot = static_cast<int32_t>(chosen);
-      shard.reset[entries[starts[g]].index] = 1;
+      shard.reset[firsts[g].index] = 1;
       ++counts[evicts ? kEvicted : kHeld];
       ++counts[kInserted];
     }
   }
 
-  for (size_t g = 0; g < groups.size(); ++g) {
-    for (int64_t e = starts[g]; e < starts[g + 1]; ++e) {
-      shard.slots[entries[e].index] = groups[g].slot;
-    }
+  for (int64_t j = 0; j < cfg.n; ++j) {
+    if (group_of[j] >= 0) shard.slots[j] = groups[group_of[j]].slot;
   }
   for (int64_t c = 0; c < kNumCounters; ++c) {
     shard.counts[c] = static_cast<int32_t>(counts[c]);

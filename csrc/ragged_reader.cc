@@ -11,7 +11,8 @@
 // It returns (values, row_splits, num_rows): values int32 (int64 when `wide`)
 // holding every feature's rows end to end, row_splits int64 [rows + 1] with
 // row r = values[row_splits[r]:row_splits[r + 1]], num_rows int64 [features].
-// Feature f's ids must lie in [0, vocab[f]).
+// Feature f's ids must lie in [0, vocab[f]); vocab[f] = -1 takes any id
+// (a hashed table's raw ids; with `wide`, a uint64 id keeps its 64 bits).
 //
 // Anything else (another container, a non-array row, a float row, a bad
 // row_splits, an id out of range) returns the index of the first such
@@ -73,6 +74,9 @@ auto WithIntType(PyArrayObject* a, const Fn& fn) {
   }
 }
 
+// `vocab` of a feature that takes any id (vocab[f] = -1).
+constexpr uint64_t kAnyId = ~uint64_t{0};
+
 // The id as an unsigned number; negative ids become huge, so one comparison
 // with the vocabulary checks both ends of the range.
 template <typename T>
@@ -81,7 +85,8 @@ uint64_t AsUnsigned(T v) {
   return static_cast<uint64_t>(static_cast<Wide>(v));
 }
 
-// Copies n ids spaced `stride` bytes apart; returns whether all are in range.
+// Copies n ids spaced `stride` bytes apart; returns whether all are in range
+// (always, for kAnyId).
 template <typename T, typename Out>
 bool CopyIds(const char* src, npy_intp n, npy_intp stride, Out* dst,
              uint64_t vocab) {
@@ -90,7 +95,7 @@ bool CopyIds(const char* src, npy_intp n, npy_intp stride, Out* dst,
     T tmp;
     for (npy_intp j = 0; j < n; ++j) {
       std::memcpy(&tmp, src + j * sizeof(T), sizeof(T));  // any alignment
-      ok &= AsUnsigned(tmp) < vocab;
+      ok &= (AsUnsigned(tmp) < vocab) | (vocab == kAnyId);
       dst[j] = static_cast<Out>(tmp);
     }
     return ok;
@@ -98,7 +103,7 @@ bool CopyIds(const char* src, npy_intp n, npy_intp stride, Out* dst,
   for (npy_intp j = 0; j < n; ++j) {
     T v;
     std::memcpy(&v, src + j * stride, sizeof(T));
-    ok &= AsUnsigned(v) < vocab;
+    ok &= (AsUnsigned(v) < vocab) | (vocab == kAnyId);
     dst[j] = static_cast<Out>(v);
   }
   return ok;
@@ -300,7 +305,7 @@ nb::object Read(nb::list leaf_list, const int64_t* vocab, bool wide) {
   std::vector<Leaf> leaves(n);
   npy_intp total_values = 0, total_rows = 0;
   for (size_t f = 0; f < n; ++f) {
-    if (vocab[f] < 0 || !Classify(leaf_list[f].ptr(), &leaves[f])) {
+    if (vocab[f] < -1 || !Classify(leaf_list[f].ptr(), &leaves[f])) {
       return nb::int_(FirstUnreadable(leaves, vocab, f));
     }
     total_values += leaves[f].num_values;

@@ -324,6 +324,41 @@ def test_inference_reads_held_rows_and_counts_unseen():
   del stack
 
 
+@pytest.mark.parametrize("fresh_ids", [5, 32, 33, 256, 257, 300, 600])
+def test_new_rows_of_many_new_ids_in_one_call(fresh_ids):
+  """Every id new in a call gets its own initial row and a fresh optimizer
+  slot, however many there are (drawn 256 rows at a time, then 32; one
+  shard, so that the counts fall on the chunks' boundaries)."""
+  spec = pzsc.FeatureSpec(
+    name="u",
+    table_spec=table_spec(1024, optimizer=pzsc.AdagradOptimizerSpec(0.1, 0.25)),
+    input_shape=(600, 1),
+    output_shape=(600, D),
+  )
+  embed = pzsc.SparseCoreEmbed.from_config(
+    "e", jax.random.key(5), {"u": spec}, mesh_of(1)
+  )
+  rng = np.random.default_rng(fresh_ids)
+  pool = rng.integers(-(2**63), 2**63 - 1, size=fresh_ids, dtype=np.int64)
+  ids = pool[np.arange(600) % fresh_ids].reshape(600, 1)  # Duplicates.
+  inputs, _ = embed.preprocess({"u": ids})
+  embed.resolve_ids(inputs, step=0)
+  ref = Reference(embed, "lru")
+  held = ref.resolve(ids, 0, True)
+  assert len(held) == fresh_ids
+  ids_map = np.asarray(embed.maps["users"]["ids"].value)
+  seen = np.asarray(embed.maps["users"]["seen"].value)
+  table = np.asarray(table_arrays(embed)["users"])
+  acc = np.asarray(slot_arrays(embed)["users"][0])
+  for p, shard in enumerate(ref.shards):
+    np.testing.assert_array_equal(ids_map[p], shard.ids)
+    np.testing.assert_array_equal(seen[p], shard.seen)
+    for c in np.flatnonzero(shard.seen[:, 0] != hashed.EMPTY):
+      x = int(hashed.ids_of_words(shard.ids[c, :1], shard.ids[c, 1:])[0])
+      np.testing.assert_allclose(table[p, c], ref.rows[x], atol=1e-6)
+      np.testing.assert_array_equal(acc[p, c], np.full(D, 0.25, np.float32))
+
+
 def test_hand_written_step_equals_trainer():
   ids_g = list(stream(13, 50, 3))
   trainer = trainer_of(build(4, 64, "lru"))

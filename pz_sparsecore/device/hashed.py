@@ -398,37 +398,46 @@ def new_rows(stack, seed: jax.Array, words: jax.Array) -> jax.Array:
 
 
 RESET_CHUNK = 256
-"""Rows drawn at a time for the ids given rows in a call: the draws cost
-O(new ids), not O(ids sent)."""
+"""Rows drawn at a time for the ids given rows in a call, while that many
+are left; the rest `RESET_TAIL` at a time: the draws cost O(new ids), not
+O(ids sent), and waste fewer than `RESET_TAIL` rows."""
+
+RESET_TAIL = 32
 
 
 def _write_new_rows(stack, table, shard, target, words, seed):
   """`table` with each reset id's new row (`new_rows`) at `(shard,
   target)` (`target` out of range: no reset), drawn `RESET_CHUNK` ids at a
-  time, as many chunks as there are reset ids."""
+  time, then `RESET_TAIL` at a time."""
   capacity = table.shape[1]
   flat_target, flat_shard = target.reshape(-1), shard.reshape(-1)
   flat_words = words.reshape(-1, words.shape[-1])
   n = flat_target.shape[0]
   count = jnp.sum(flat_target < capacity, dtype=jnp.int32)
-  chunk = min(RESET_CHUNK, n)
-  at = jnp.nonzero(flat_target < capacity, size=n + chunk, fill_value=n)[0]
+  big, tail = min(RESET_CHUNK, n), min(RESET_TAIL, n)
+  at = jnp.nonzero(flat_target < capacity, size=n + big, fill_value=n)[0]
   # Index n (past the end) reads a padded entry whose target is dropped.
   flat_target = jnp.append(flat_target, capacity)
   flat_shard = jnp.append(flat_shard, 0)
   flat_words = jnp.concatenate([flat_words, flat_words[:1]])
 
-  def body(state):
-    i, table = state
-    pick = jax.lax.dynamic_slice_in_dim(at, i * chunk, chunk)
-    rows = new_rows(stack, seed, flat_words[pick])
-    table = table.at[flat_shard[pick], flat_target[pick]].set(
-      rows.astype(table.dtype), mode="drop"
-    )
-    return i + 1, table
+  def chunks(size):
+    def body(state):
+      i, table = state
+      pick = jax.lax.dynamic_slice_in_dim(at, i, size)
+      rows = new_rows(stack, seed, flat_words[pick])
+      table = table.at[flat_shard[pick], flat_target[pick]].set(
+        rows.astype(table.dtype), mode="drop"
+      )
+      return i + size, table
 
+    return body
+
+  state = jax.lax.while_loop(
+    lambda state: count - state[0] >= big, chunks(big), (jnp.int32(0), table)
+  )
   _, table = jax.lax.while_loop(
-    lambda state: state[0] * chunk < count, body, (jnp.int32(0), table)
+    lambda state: state[0] < count, chunks(tail), state
   )
   return table
 

@@ -153,58 +153,65 @@ def _prepare_stack(plan, stack, leaves, local: int) -> np.ndarray:
   capacity, cap = stack.rows_per_shard, stack.unique_window // s
   features = list(stack.features)
   members = {t.name: i for i, t in enumerate(stack.tables)}
-  rows_of = [rows for _, rows in stack.regions(n)]
-  ids, segments, tables = [], [], []
-  for f in features:
-    id_leaf, weight_leaf = leaves[f.name]
-    [id_leaf], [weight_leaf] = ragged_input.convert_formats(
-      [f], [id_leaf], [weight_leaf]
-    )
-    ragged = raw_ids(f.name, id_leaf)
+  id_leaves, weight_leaves = ragged_input.convert_formats(
+    features,
+    [leaves[f.name][0] for f in features],
+    [leaves[f.name][1] for f in features],
+  )
+  values, splits, num_rows = read_raw_ids(features, id_leaves)
+  for f, rows in zip(features, num_rows, strict=True):
     want = local * s * f.samples_per_sc
-    if ragged.num_rows != want:
+    if rows != want:
       raise ValueError(
-        f"feature {f.name!r}: {ragged.num_rows} samples in this process's "
-        f"batch, its {local} devices x {s} SparseCores take {want}"
+        f"feature {f.name!r}: {rows} samples in this process's batch, its "
+        f"{local} devices x {s} SparseCores take {want}"
       )
-    rows = np.arange(ragged.num_rows, dtype=np.int64) // f.samples_per_sc
-    segments.append(np.repeat(rows, np.diff(ragged.splits)))
-    tables.append(
-      np.full(len(ragged.values), members[f.spec.table_spec.name], np.int64)
-    )
-    ids.append(ragged)
-    if weight_leaf is not None:
-      weight = ragged_input.to_ragged(f.name, weight_leaf, "weights")
-      weight_leaf = (weight.values, weight.splits)
-    # A dense batch stays dense (the fastest form to read).
-    shape = id_leaf.shape if _is_dense(id_leaf) else None
-    leaves[f.name] = (shape, weight_leaf)
-  values = np.concatenate([r.values for r in ids])
+  first_row = np.concatenate([[0], np.cumsum(num_rows)])
   keys = np.zeros((local * s, n, cap, hashed.KEY_WORDS), np.int32)
   keys[..., 2] = -1
   place = np.empty(len(values), np.int64)
   most = _hashed_numba.places(
     values,
-    np.concatenate(segments),
-    np.concatenate(tables),
+    splits,
+    first_row,
+    np.array([f.samples_per_sc for f in features], np.int64),
+    np.array([members[f.spec.table_spec.name] for f in features], np.int64),
     n,
-    np.asarray(rows_of, np.int64),
+    np.array([rows for _, rows in stack.regions(n)], np.int64),
     keys,
     place,
   )
-  _check_places(features, ids, place, n, capacity, most)
-  at = 0
-  for f, ragged in zip(features, ids, strict=True):
-    end = at + len(ragged.values)
-    shape, weights = leaves[f.name]
-    ids_of_f = (
-      (place[at:end], ragged.splits)
-      if shape is None
-      else place[at:end].reshape(shape)
-    )
+  bounds = splits[first_row]
+  _check_places(features, bounds, place, n, capacity, most)
+  for i, f in enumerate(features):
+    a, b = first_row[i], first_row[i + 1]
+    ids_of_f = place[bounds[i] : bounds[i + 1]]
+    if _is_dense(id_leaves[i]):  # Stays dense (the fastest form to read).
+      ids_of_f = ids_of_f.reshape(id_leaves[i].shape)
+    else:
+      ids_of_f = (ids_of_f, splits[a : b + 1] - bounds[i])
+    weights = weight_leaves[i]
+    if weights is not None:
+      weight = ragged_input.to_ragged(f.name, weights, "weights")
+      weights = (weight.values, weight.splits)
     leaves[f.name] = (ids_of_f, weights)
-    at = end
   return keys.reshape(-1)
+
+
+def read_raw_ids(features, id_leaves) -> tuple[np.ndarray, ...]:
+  """The features' raw ids end to end, as `ragged_input.read_ids` returns
+  them (int64 values; no range): the compiled reader where it can read
+  every batch, else `raw_ids` feature by feature (strings; errors)."""
+  reader = ragged_input.READER
+  if reader is not None:
+    result = reader.read_ids(
+      list(id_leaves), np.full(len(id_leaves), -1, np.int64), True
+    )
+    if not isinstance(result, int):
+      return result
+  return ragged_input.join_rows(
+    [raw_ids(f.name, leaf) for f, leaf in zip(features, id_leaves, strict=True)]
+  )
 
 
 def _is_dense(leaf: Any) -> bool:
@@ -213,17 +220,16 @@ def _is_dense(leaf: Any) -> bool:
   )
 
 
-def _check_places(features, ids, place, n: int, capacity: int, most: int):
+def _check_places(features, bounds, place, n: int, capacity: int, most: int):
   """Raises if some SparseCore sends a shard more distinct ids than the
-  stack has rows per shard (their places would not fit)."""
+  stack has rows per shard (their places would not fit); `bounds`: each
+  feature's first id, and the end."""
   if most <= capacity:
     return
   at = int(np.argmax(place // n >= capacity))
-  for f, ragged in zip(features, ids, strict=True):
-    if at < len(ragged.values):
-      raise ValueError(
-        f"feature {f.name!r}: one SparseCore's batch sends shard "
-        f"{int(place[at] % n)} more distinct ids than its {capacity} rows; "
-        "raise the table's vocabulary_size (its capacity) or split the batch"
-      )
-    at -= len(ragged.values)
+  f = int(np.searchsorted(bounds, at, side="right")) - 1
+  raise ValueError(
+    f"feature {features[f].name!r}: one SparseCore's batch sends shard "
+    f"{int(place[at] % n)} more distinct ids than its {capacity} rows; "
+    "raise the table's vocabulary_size (its capacity) or split the batch"
+  )

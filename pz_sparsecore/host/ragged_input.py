@@ -348,6 +348,13 @@ def _gather_ids_python(
     ids = to_ragged(feature.name, leaf, "ids")
     check_ids(feature.name, ids, feature.vocabulary_size)
     ragged.append(ids)
+  return join_rows(ragged)
+
+
+def join_rows(
+  ragged: Sequence[Ragged],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Features' ids end to end, as `read_ids` returns them (int64 values)."""
   parts = [r.values.astype(np.int64, copy=False) for r in ragged]
   values = np.concatenate(parts) if parts else np.zeros(0, np.int64)
   num_rows = np.array([r.num_rows for r in ragged], np.int64)
