@@ -236,6 +236,78 @@ def test_trainer_matches_reference(g, s, capacity, pool, eviction):
     assert counters[2] > 0
 
 
+@pytest.mark.parametrize("g,s", [(1, 1), (4, 1), (2, 2)])
+def test_minibatched_batches_train_as_the_reference(g, s):
+  """Limits of 4 ids per partition split the batches into minibatches:
+  the maps, rows and counters are the reference's all the same."""
+  spec = pzsc.FeatureSpec(
+    name="u",
+    table_spec=dataclasses.replace(
+      table_spec(64), max_ids_per_partition=4, max_unique_ids_per_partition=4
+    ),
+    input_shape=(B, K),
+    output_shape=(B, D),
+  )
+  embed = pzsc.SparseCoreEmbed.from_config(
+    "e", jax.random.key(0), {"u": spec}, mesh_of(g), num_sc_per_device=s
+  )
+  ref = Reference(embed, "lru")
+  trainer = trainer_of(embed)
+  counts = []
+  for step, (ids, g_acts) in enumerate(stream(21, 120, 5)):
+    inputs, _ = trainer.model.embed.preprocess(
+      {"u": ids}, enable_minibatching=True
+    )
+    counts.append(int(np.asarray(inputs.num_minibatches).max()))
+    aux = trainer.step(inputs=inputs, g=jnp.asarray(g_acts))
+    np.testing.assert_allclose(
+      float(aux["loss"]), ref.train(ids, g_acts, step), rtol=1e-5, atol=1e-4
+    )
+  check_state(trainer.model.embed, ref)
+  assert max(counts) > 1
+  # Inference on minibatched buffers reads the held rows.
+  ids, _ = next(stream(21, 120, 1))
+  embed = trainer.model.embed
+  inputs, stats = embed.preprocess({"u": ids}, enable_minibatching=True)
+  got = embed(inputs)["u"]
+  plain = pzsc.update_limits(embed, stats)
+  want = plain(plain.preprocess({"u": ids})[0])["u"]
+  np.testing.assert_allclose(
+    np.asarray(got.unwrap("batch", "embedding")),
+    np.asarray(want.unwrap("batch", "embedding")),
+    rtol=1e-6,
+  )
+
+
+def test_a_batch_minibatches_cannot_hold_is_refused_naming_the_feature():
+  """64 minibatches of 8 distinct ids per partition hold 512: a batch of
+  600 distinct ids is refused; the next, with 100, works."""
+  features = {
+    "u": pzsc.FeatureSpec(
+      name="u",
+      table_spec=dataclasses.replace(
+        table_spec(4096),
+        max_ids_per_partition=64,
+        max_unique_ids_per_partition=8,
+      ),
+      input_shape=(600, 1),
+      output_shape=(600, D),
+    )
+  }
+  embed = pzsc.SparseCoreEmbed.from_config(
+    "e", jax.random.key(0), features, mesh_of(1)
+  )
+  ids = np.arange(600, dtype=np.int64).reshape(600, 1) * 7919
+  with pytest.raises(ValueError, match="'u'.*the 512 that 64 minibatches"):
+    embed.preprocess({"u": ids}, enable_minibatching=True)
+  inputs, _ = embed.preprocess({"u": ids % 100}, enable_minibatching=True)
+  assert int(np.asarray(inputs.num_minibatches).max()) > 1
+  embed.resolve_ids(inputs, step=0)
+  assert int(np.asarray(embed.maps["users"]["counters"].value)[:, 1].sum()) == (
+    len(np.unique(ids % 100))
+  )
+
+
 def test_same_shards_train_alike_on_any_topology():
   """8 shards on 8 x 1 and 4 x 2 devices: the same maps and rows."""
   results = []
@@ -449,8 +521,6 @@ def test_refusals():
   inputs, _ = embed.preprocess({"u": ids})
   with pytest.raises(ValueError, match="resolve them first"):
     embed.apply_gradients(inputs, {"u": jnp.zeros((B, D))}, 0)
-  with pytest.raises(ValueError, match="minibatching"):
-    embed.preprocess({"u": ids}, enable_minibatching=True)
   spec = pzsc.FeatureSpec(
     name="u",
     table_spec=table_spec(64),

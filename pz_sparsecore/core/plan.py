@@ -464,11 +464,29 @@ def build(
 _cached_build = functools.lru_cache(maxsize=64)(_build)
 
 
+def hashed_places(plan: Plan, stack: StackPlan) -> int:
+  """Places of a hashed stack's ids (`host.hashed_ids`) per local
+  SparseCore and partition: `r8(max_unique_ids_per_partition)`; for
+  minibatched buffers, those of every minibatch (`plan.minibatches` times
+  as many), never more than a SparseCore segment's entries."""
+  places = stack.unique_window // plan.num_sc_per_device
+  if plan.minibatches > 1:
+    places = min(
+      places * plan.minibatches, buffer_format.round_up(stack.coo_per_sc)
+    )
+  return places
+
+
 def hashed_ids_per_device(plan: Plan, stack: StackPlan) -> int:
   """int32 words per device of a hashed stack's ids sent to their owners:
-  per local SparseCore, per partition, `r8(max_unique_ids_per_partition)`
-  ids of `hashed.KEY_WORDS` words (`host.hashed_ids` writes them)."""
-  return plan.num_shards * stack.unique_window * hashed.KEY_WORDS
+  per local SparseCore, per partition, `hashed_places` ids of
+  `hashed.KEY_WORDS` words (`host.hashed_ids` writes them)."""
+  return (
+    plan.num_shards
+    * plan.num_sc_per_device
+    * hashed_places(plan, stack)
+    * hashed.KEY_WORDS
+  )
 
 
 def with_minibatch_buffers(plan: Plan) -> Plan:

@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from pz_sparsecore.core import buffer_format, hashed
+from pz_sparsecore.core import plan as plan_lib
 from pz_sparsecore.core.plan import Plan
 from pz_sparsecore.core.preprocessed import PreprocessedInput
 from pz_sparsecore.core.specs import initializer_draw_key
@@ -477,6 +478,8 @@ def local_resolve(
   words: jax.Array,
   step: jax.Array,
   train: bool,
+  cap: int,
+  num_minibatches: jax.Array | None = None,
 ):
   """Per device, inside `shard_map`: the stack's ids resolved to rows.
 
@@ -489,9 +492,13 @@ def local_resolve(
     slots: The optimizer slots, each `[S, C, w]`.
     buffers: The local `(row_pointers, embedding_ids, sample_ids, gains)`,
       ids being places (`host.hashed_ids`).
-    words: The local `hashed_ids`, int32 `[S * N * cap * 3]`.
+    words: The local `hashed_ids`, int32 `[S * N * cap * 4]`.
     step: int32, the step.
     train: Insert and evict, or only look up.
+    cap: Places per local SparseCore and partition
+      (`plan.hashed_places`).
+    num_minibatches: For minibatched buffers, the device's count (the
+      buffers' format: `host.minibatching`); None otherwise.
 
   Returns:
     `(stack_map, table, slots, embedding_ids, rows)`: the ids now rows
@@ -501,7 +508,6 @@ def local_resolve(
   """
   g, s, axis = topo.num_devices, topo.num_sc_per_device, topo.axis
   n, capacity = g * s, stack.rows_per_shard
-  cap = stack.unique_window // s
   sent = words.reshape(s, g, s, cap, hashed.KEY_WORDS)
   got = (
     jax.lax.all_to_all(sent, axis, 1, 1, tiled=True) if g > 1 else sent
@@ -531,13 +537,18 @@ def local_resolve(
   rows = back.reshape(s, n, cap)  # [segment, partition, place]
 
   rp, ids, sids, _ = buffers
-  shape = own_buffer_shape(stack, g, s)
-  valid, table_row, _ = reference.decode_entries(rp, ids, sids, shape)
-  valid, table_row = valid.reshape(-1), table_row.reshape(-1)
-  segment = jnp.arange(valid.size, dtype=jnp.int32) // shape.seg_len
-  part = jnp.minimum(table_row // capacity, n - 1)
-  place = table_row % capacity
-  row = rows[segment, part, jnp.minimum(place, cap - 1)]
+  if num_minibatches is None:
+    shape = own_buffer_shape(stack, g, s)
+    valid, table_row, _ = reference.decode_entries(rp, ids, sids, shape)
+    valid, table_row = valid.reshape(-1), table_row.reshape(-1)
+    segment = jnp.arange(valid.size, dtype=jnp.int32) // shape.seg_len
+    part = jnp.minimum(table_row // capacity, n - 1)
+    place = table_row % capacity
+  else:
+    valid, segment, part, place = _minibatched_entries(
+      rp, ids, num_minibatches, s, n, capacity
+    )
+  row = rows[segment, part, jnp.clip(place, 0, cap - 1)]
   row = jnp.where((place < cap) & (row >= 0), row, buffer_format.PAD_ID)
   new_ids = jnp.where(valid, row, ids)
   new_map = StackMap(
@@ -547,6 +558,27 @@ def local_resolve(
     stack_map.seed,
   )
   return new_map, table, slots, new_ids, rows
+
+
+def _minibatched_entries(rp, ids, count, s: int, n: int, capacity: int):
+  """Each entry of one device's minibatched buffers (`host.minibatching`):
+  `(valid, local SparseCore, partition, place)`. Segment `k = sc * M + m`
+  holds the ends of its `N` partitions as indices into the device's
+  buffer, so the ends of every (segment, partition) in order rise, and an
+  entry's is the first end past it."""
+  m = jnp.clip(jnp.reshape(count, (-1,))[0], 1, buffer_format.MAX_MINIBATCHES)
+  rpp = buffer_format.row_pointers_per_sc(n)
+  ends = rp.reshape(-1, rpp)[:, :n].reshape(-1)
+  index = jnp.arange(ids.shape[0], dtype=rp.dtype)
+  j = jnp.searchsorted(ends, index, side="right").astype(jnp.int32)
+  valid = (
+    (j < s * m * n)
+    & (ids != buffer_format.PAD_ID)
+    & (ids >= 0)
+    & (ids < capacity)
+  )
+  segment = jnp.clip(j // n // m, 0, s - 1)
+  return valid, segment, j % n, ids
 
 
 def resolved_order(stack, topo, order: jax.Array, rows: jax.Array):
@@ -582,6 +614,8 @@ def hashed_stacks(plan: Plan) -> list[Any]:
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3, 4))
 def _resolve(static, train, maps, tables, slots, inputs, step):
   plan, topo = static
+  if inputs.num_minibatches is not None:
+    plan = plan_lib.with_minibatch_buffers(plan)
   stacks = hashed_stacks(plan)
 
   def body(maps, tables, slots, inputs, step):
@@ -604,6 +638,8 @@ def _resolve(static, train, maps, tables, slots, inputs, step):
         inputs.hashed_ids[name],
         step,
         train,
+        plan_lib.hashed_places(plan, stack),
+        inputs.num_minibatches,
       )
       for o, part in zip(out, parts, strict=True):
         o[name] = part

@@ -15,7 +15,8 @@ sorts, merges, limits and counts exactly as for any stack:
 
 The ids themselves travel in `PreprocessedInput.hashed_ids`: per local
 SparseCore `k`, partition `p` and place `r < cap` (`cap =
-r8(max_unique_ids_per_partition)`) the id's low and high words, its home
+plan.hashed_places`: `r8(max_unique_ids_per_partition)`, times the
+minibatches for minibatched buffers) the id's low and high words, its home
 slot in its table's region of `p` (`hashed.homes`) and its table's index in
 the stack; `[0, 0, -1, 0]` for no id. On the device (`device.hashed`) the
 owners find or give each id a row and the places are replaced by those
@@ -150,7 +151,7 @@ def prepare(
 
 def _prepare_stack(plan, stack, leaves, local: int) -> np.ndarray:
   n, s = plan.num_shards, plan.num_sc_per_device
-  capacity, cap = stack.rows_per_shard, stack.unique_window // s
+  capacity, cap = stack.rows_per_shard, plan_lib.hashed_places(plan, stack)
   features = list(stack.features)
   members = {t.name: i for i, t in enumerate(stack.tables)}
   id_leaves, weight_leaves = ragged_input.convert_formats(
@@ -182,7 +183,27 @@ def _prepare_stack(plan, stack, leaves, local: int) -> np.ndarray:
     place,
   )
   bounds = splits[first_row]
-  _check_places(features, bounds, place, n, capacity, most)
+  _check_places(
+    features,
+    bounds,
+    place,
+    n,
+    capacity,
+    most,
+    f"its {capacity} rows; raise the table's vocabulary_size (its capacity) "
+    "or split the batch",
+  )
+  if plan.minibatches > 1:
+    _check_places(
+      features,
+      bounds,
+      place,
+      n,
+      cap,
+      most,
+      f"the {cap} that {plan.minibatches} minibatches hold; raise the "
+      "stack's limits or split the batch",
+    )
   for i, f in enumerate(features):
     a, b = first_row[i], first_row[i + 1]
     ids_of_f = place[bounds[i] : bounds[i + 1]]
@@ -220,16 +241,15 @@ def _is_dense(leaf: Any) -> bool:
   )
 
 
-def _check_places(features, bounds, place, n: int, capacity: int, most: int):
-  """Raises if some SparseCore sends a shard more distinct ids than the
-  stack has rows per shard (their places would not fit); `bounds`: each
-  feature's first id, and the end."""
-  if most <= capacity:
+def _check_places(features, bounds, place, n: int, room: int, most: int, why):
+  """Raises if some SparseCore sends a shard more distinct ids than `room`
+  (`why` says what bounds it); `bounds`: each feature's first id, and the
+  end."""
+  if most <= room:
     return
-  at = int(np.argmax(place // n >= capacity))
+  at = int(np.argmax(place // n >= room))
   f = int(np.searchsorted(bounds, at, side="right")) - 1
   raise ValueError(
     f"feature {features[f].name!r}: one SparseCore's batch sends shard "
-    f"{int(place[at] % n)} more distinct ids than its {capacity} rows; "
-    "raise the table's vocabulary_size (its capacity) or split the batch"
+    f"{int(place[at] % n)} more distinct ids than {why}"
   )

@@ -368,27 +368,24 @@ def preprocess_for_plan(
       plan.treedef, features_weights, "features_weights"
     )
   leaves = dict(zip(names, zip(ids, weights, strict=True), strict=True))
-  leaves, keys = hashed_ids.prepare(plan, leaves, int(local_device_count))
-  if keys and enable_minibatching:
-    raise ValueError(
-      f"stack {next(iter(keys))!r} holds a hashed table: minibatching "
-      "does not take hashed tables yet; preprocess without "
-      "enable_minibatching (raise the limits instead)"
-    )
   if enable_minibatching:
-    return minibatching.preprocess(
-      plan_lib.with_minibatch_buffers(plan),
+    plan = plan_lib.with_minibatch_buffers(plan)
+  leaves, keys = hashed_ids.prepare(plan, leaves, int(local_device_count))
+  if enable_minibatching:
+    inputs, stats = minibatching.preprocess(
+      plan,
       leaves,
       int(local_device_count),
       has_leading_dimension=has_leading_dimension,
       allow_id_dropping=bool(allow_id_dropping),
       all_reduce=all_reduce,
     )
-  call = fill_lib.fill(
-    plan, leaves, int(local_device_count), bool(allow_id_dropping)
-  )
-  fill_lib.check_call_limits(call)
-  inputs, stats = fill_lib.results(call, has_leading_dimension)
+  else:
+    call = fill_lib.fill(
+      plan, leaves, int(local_device_count), bool(allow_id_dropping)
+    )
+    fill_lib.check_call_limits(call)
+    inputs, stats = fill_lib.results(call, has_leading_dimension)
   if keys:
     shape = (local_device_count, -1) if has_leading_dimension else (-1,)
     keys = {k: v.reshape(shape) for k, v in keys.items()}
