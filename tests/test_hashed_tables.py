@@ -51,15 +51,36 @@ def table_spec(capacity, eviction="lru", optimizer=None, dtype=jnp.float32):
   )
 
 
-def build(g, capacity, eviction="lru", s=1, optimizer=None, seed=0):
+def build(
+  g,
+  capacity,
+  eviction="lru",
+  s=1,
+  optimizer=None,
+  seed=0,
+  spec_limits=None,
+  shape=(B, K),
+  **options,
+):
+  """A layer of one hashed feature "u" (`spec_limits`: its table's max ids
+  and max unique ids per partition; `options` for `from_config`)."""
+  table = table_spec(capacity, eviction, optimizer)
+  if spec_limits is not None:
+    table = dataclasses.replace(
+      table,
+      max_ids_per_partition=spec_limits[0],
+      max_unique_ids_per_partition=spec_limits[1],
+    )
   spec = pzsc.FeatureSpec(
-    name="u",
-    table_spec=table_spec(capacity, eviction, optimizer),
-    input_shape=(B, K),
-    output_shape=(B, D),
+    name="u", table_spec=table, input_shape=shape, output_shape=(shape[0], D)
   )
   return pzsc.SparseCoreEmbed.from_config(
-    "e", jax.random.key(seed), {"u": spec}, mesh_of(g), num_sc_per_device=s
+    "e",
+    jax.random.key(seed),
+    {"u": spec},
+    mesh_of(g),
+    num_sc_per_device=s,
+    **options,
   )
 
 
@@ -240,17 +261,7 @@ def test_trainer_matches_reference(g, s, capacity, pool, eviction):
 def test_minibatched_batches_train_as_the_reference(g, s):
   """Limits of 4 ids per partition split the batches into minibatches:
   the maps, rows and counters are the reference's all the same."""
-  spec = pzsc.FeatureSpec(
-    name="u",
-    table_spec=dataclasses.replace(
-      table_spec(64), max_ids_per_partition=4, max_unique_ids_per_partition=4
-    ),
-    input_shape=(B, K),
-    output_shape=(B, D),
-  )
-  embed = pzsc.SparseCoreEmbed.from_config(
-    "e", jax.random.key(0), {"u": spec}, mesh_of(g), num_sc_per_device=s
-  )
+  embed = build(g, 64, s=s, spec_limits=(4, 4))
   ref = Reference(embed, "lru")
   trainer = trainer_of(embed)
   counts = []
@@ -282,21 +293,7 @@ def test_minibatched_batches_train_as_the_reference(g, s):
 def test_a_batch_minibatches_cannot_hold_is_refused_naming_the_feature():
   """64 minibatches of 8 distinct ids per partition hold 512: a batch of
   600 distinct ids is refused; the next, with 100, works."""
-  features = {
-    "u": pzsc.FeatureSpec(
-      name="u",
-      table_spec=dataclasses.replace(
-        table_spec(4096),
-        max_ids_per_partition=64,
-        max_unique_ids_per_partition=8,
-      ),
-      input_shape=(600, 1),
-      output_shape=(600, D),
-    )
-  }
-  embed = pzsc.SparseCoreEmbed.from_config(
-    "e", jax.random.key(0), features, mesh_of(1)
-  )
+  embed = build(1, 4096, spec_limits=(64, 8), shape=(600, 1))
   ids = np.arange(600, dtype=np.int64).reshape(600, 1) * 7919
   with pytest.raises(ValueError, match="'u'.*the 512 that 64 minibatches"):
     embed.preprocess({"u": ids}, enable_minibatching=True)
@@ -401,15 +398,8 @@ def test_new_rows_of_many_new_ids_in_one_call(fresh_ids):
   """Every id new in a call gets its own initial row and a fresh optimizer
   slot, however many there are (drawn 256 rows at a time, then 32; one
   shard, so that the counts fall on the chunks' boundaries)."""
-  spec = pzsc.FeatureSpec(
-    name="u",
-    table_spec=table_spec(1024, optimizer=pzsc.AdagradOptimizerSpec(0.1, 0.25)),
-    input_shape=(600, 1),
-    output_shape=(600, D),
-  )
-  embed = pzsc.SparseCoreEmbed.from_config(
-    "e", jax.random.key(5), {"u": spec}, mesh_of(1)
-  )
+  adagrad = pzsc.AdagradOptimizerSpec(0.1, 0.25)
+  embed = build(1, 1024, optimizer=adagrad, seed=5, shape=(600, 1))
   rng = np.random.default_rng(fresh_ids)
   pool = rng.integers(-(2**63), 2**63 - 1, size=fresh_ids, dtype=np.int64)
   ids = pool[np.arange(600) % fresh_ids].reshape(600, 1)  # Duplicates.
@@ -743,17 +733,7 @@ def test_hashed_tables_stack_and_train_as_apart():
 
 
 def test_a_batch_over_the_limits_is_refused_naming_the_feature():
-  spec = pzsc.FeatureSpec(
-    name="u",
-    table_spec=dataclasses.replace(
-      table_spec(64), max_ids_per_partition=64, max_unique_ids_per_partition=8
-    ),
-    input_shape=(B, K),
-    output_shape=(B, D),
-  )
-  embed = pzsc.SparseCoreEmbed.from_config(
-    "e", jax.random.key(0), {"u": spec}, mesh_of(2), limits="specs"
-  )
+  embed = build(2, 64, spec_limits=(64, 8), limits="specs")
   ids = np.arange(B * K, dtype=np.int64).reshape(B, K) * 7919 - 10**15
   with pytest.raises(ValueError, match=r"features \['u'\].*unique ids"):
     embed.preprocess({"u": ids})
