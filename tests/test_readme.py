@@ -39,7 +39,7 @@ RUN_HERE = {
   GPU: 1,
   COMPAT: 2,
   ANY_MODEL: 7,
-  HASHED: 4,
+  HASHED: 5,
 }
 
 

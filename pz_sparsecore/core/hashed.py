@@ -70,6 +70,8 @@ import hashlib
 from collections.abc import Iterable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 PROBE_SLOTS = 64
@@ -237,3 +239,62 @@ def ids_of_words(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
   """The int64 ids of low and high int32 words."""
   words = np.stack([np.asarray(lo, np.int32), np.asarray(hi, np.int32)], -1)
   return np.ascontiguousarray(words).view(np.int64).reshape(-1)
+
+
+# ---------------------------------------------------------------------------
+# The same hashes on the devices: JAX uint32 words (low, high), since JAX
+# has no 64-bit integers unless x64 is on. A 64-bit product is assembled
+# from 16-bit halves; every step wraps modulo 2**64 as NumPy's does.
+
+_WORD = 0xFFFFFFFF
+_HALF = 0xFFFF
+
+
+def _wide_product(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The full 64-bit product of uint32 words as (low, high) words."""
+  a0, a1 = a & _HALF, a >> 16
+  b0, b1 = b & _HALF, b >> 16
+  p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
+  mid = (p00 >> 16) + (p01 & _HALF) + (p10 & _HALF)  # below 3 * 2**16
+  low = (mid << 16) | (p00 & _HALF)
+  return low, p11 + (p01 >> 16) + (p10 >> 16) + (mid >> 16)
+
+
+def _times(lo: jax.Array, hi: jax.Array, m: int) -> tuple[jax.Array, ...]:
+  """`(hi, lo) * m` modulo 2**64, as (low, high) words."""
+  m_lo, m_hi = jnp.uint32(m & _WORD), jnp.uint32(m >> 32)
+  low, carry = _wide_product(lo, m_lo)
+  return low, carry + hi * m_lo + lo * m_hi
+
+
+def _xor_shift(lo: jax.Array, hi: jax.Array, k: int) -> tuple[jax.Array, ...]:
+  """`z ^ (z >> k)` of a 64-bit word `z` (0 < k < 32) as (low, high)."""
+  return lo ^ ((lo >> k) | (hi << (32 - k))), hi ^ (hi >> k)
+
+
+def mix64_words(lo: Any, hi: Any) -> tuple[jax.Array, jax.Array]:
+  """`mix64` of ids given as their low and high uint32 words (JAX arrays),
+  as the low and high uint32 words of the mixed value."""
+  z = jnp.asarray(lo, jnp.uint32), jnp.asarray(hi, jnp.uint32)
+  z = _times(*_xor_shift(*z, 30), int(_M1))
+  z = _times(*_xor_shift(*z, 27), int(_M2))
+  return _xor_shift(*z, 31)
+
+
+def owners_of_words(lo: Any, hi: Any, num_shards: int) -> jax.Array:
+  """`owners` of ids given as uint32 words (JAX arrays), int32.
+
+  Raises:
+    ValueError: If `num_shards` is not a power of two (as shard counts
+      are), the one case the low word alone decides.
+  """
+  if num_shards <= 0 or num_shards & (num_shards - 1):
+    raise ValueError(f"num_shards must be a power of two, got {num_shards}")
+  mixed_lo, _ = mix64_words(lo, hi)
+  return (mixed_lo & jnp.uint32(num_shards - 1)).astype(jnp.int32)
+
+
+def homes_of_words(lo: Any, hi: Any, rows_per_shard: int) -> jax.Array:
+  """`homes` of ids given as uint32 words (JAX arrays), int32."""
+  _, mixed_hi = mix64_words(lo, hi)
+  return (mixed_hi % jnp.uint32(rows_per_shard)).astype(jnp.int32)

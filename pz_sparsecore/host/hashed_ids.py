@@ -6,8 +6,10 @@ input form of `ragged_input` and `coo_input`. Before the usual
 preprocessing, each of a hashed stack's features' ids is replaced by its
 *place*: ids go to their owner shard `p` (`hashed.owners`); among the
 distinct (table, id) pairs one local SparseCore sends to `p` (every feature
-of the stack together, in ascending order of table, then id as an unsigned
-word), a pair's place is its rank `r`. The feature then reads as a range
+of the stack together, in order of first appearance: feature after
+feature, sample after sample), a pair's place is its rank `r`. (The
+owners resolve ids in an order of their own, so the places' order never
+changes a result.) The feature then reads as a range
 table whose id `r * N + p` lies in partition `p` at local row `r` (the plan
 gives a hashed feature no offset and no rotation), so the preprocessor
 sorts, merges, limits and counts exactly as for any stack:
@@ -23,10 +25,11 @@ owners find or give each id a row and the places are replaced by those
 rows.
 
 Example: N = 2, one SparseCore per device, one local device, `cap` 8.
-Ids `[[90, -4], [90]]` with owners 90 -> 1, -4 -> 1: partition 1 gets the
-distinct ids `-4, 90` (as unsigned words 90 < 2**64 - 4), places 0 and 1;
-the batch reads `[[1 * 2 + 1, 0 * 2 + 1], [3]]`, and `hashed_ids[0, 1]` holds
-the words of 90 at place 1 and of -4 at place 0 (table 0, each with its
+Ids `[[11, -4], [11, 7]]` with owners 11 -> 1, -4 -> 1, 7 -> 0: partition 1
+gets the distinct ids 11 (place 0) and -4 (place 1), partition 0 gets 7
+(place 0); the batch reads `[[0 * 2 + 1, 1 * 2 + 1], [1, 0 * 2 + 0]]`,
+`hashed_ids[0, 1]` holds the words of 11 at place 0 and of -4 at place 1,
+and `hashed_ids[0, 0]` those of 7 at place 0 (table 0, each with its
 home).
 """
 

@@ -894,7 +894,7 @@ class SparseCoreEmbed(pz.nn.Layer):
       The buffers, resolved (without `hashed_ids`); buffers without hashed
       tables as they are.
     """
-    config = self.config
+    config = self.config_of(inputs)
     check_inputs(config, inputs)
     if inputs.hashed_ids is None or not self.maps:
       return inputs
@@ -993,6 +993,12 @@ class SparseCoreEmbed(pz.nn.Layer):
     """The plan of the call that gave these (flat) activations."""
     del activations
     return self.config.plan
+
+  def config_of(self, inputs: Any) -> EmbedConfig:
+    """The config of the call these buffers are for (`fits` checks them
+    against it): the layer's own."""
+    del inputs
+    return self.config
 
   def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
     from pz_sparsecore.viz import treescope as _treescope
@@ -1184,7 +1190,7 @@ def _struct_text(x: Any) -> str:
 def fits(embed: SparseCoreEmbed, inputs: Any) -> bool:
   """Whether `inputs` have the stacks and buffer shapes `embed` takes."""
   try:
-    check_inputs(embed.config, inputs)
+    check_inputs(embed.config_of(inputs), inputs)
   except ValueError:
     return False
   return True

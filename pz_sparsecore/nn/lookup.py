@@ -34,9 +34,22 @@ those buffers from the side input named by `host_input`
 (`model(tokens, sparsecore_inputs=buffers)`); both paths share the kernels
 and the tables.
 
+Raw ids: `from_config(..., ids="hashed", eviction=...)` makes the table a
+hashed one (`core.hashed`): any int64 id (or string, on the host) gets a row
+of its own on its owner shard while room allows, `vocab_size` rows in all.
+Training reads host buffers, `lookup.preprocess(raw_ids)`, whose ids the
+trainer inserts before each step (`resolve_ids`); the call then takes a
+`NamedArray` of the batch's shape, whose values it does not read. A call on
+the ids alone (int32 ids read as sign-extended 64-bit ones) builds their
+buffers on the device (`pz_sparsecore.device.hashed_build`) and looks them
+up without inserting, as a call on host buffers not resolved yet does:
+unseen ids read zeros and are counted. Training on the ids alone is
+refused (it could not insert).
+
 A `SparseCoreLookup` is a `SparseCoreEmbed` (one table, one feature), so the
 trainer, `pzsc.variable_jit`, checkpoints, FDO, the logical views and
-Treescope take it as they take the multi-feature layer.
+Treescope take it as they take the multi-feature layer. Its buffers' plan
+depends on the batch's shape; `config_of` finds it from their shapes.
 """
 
 from __future__ import annotations
@@ -54,7 +67,7 @@ import numpy as np
 from jax.sharding import Mesh
 from penzai import pz
 
-from pz_sparsecore.core import buffer_format, layout
+from pz_sparsecore.core import buffer_format, hashed, layout
 from pz_sparsecore.core import plan as plan_lib
 from pz_sparsecore.core.specs import (
   TABLE_DTYPES,
@@ -62,7 +75,7 @@ from pz_sparsecore.core.specs import (
   OptimizerSpec,
   TableSpec,
 )
-from pz_sparsecore.device import build, routing
+from pz_sparsecore.device import build, hashed_build, routing
 from pz_sparsecore.host.preprocess import (
   PreprocessedInput,
   SparseDenseMatmulInputStats,
@@ -120,6 +133,15 @@ class LookupConfig(embed_lib.EmbedConfig):
     del stack
     return f"{self.stem}.{slot}"
 
+  def map_label(self, stack: str, part: str) -> str:
+    del stack
+    return f"{self.stem}.map_{part}"
+
+  @property
+  def is_hashed(self) -> bool:
+    """Whether the table takes raw ids (`from_config(..., ids="hashed")`)."""
+    return self.plan.stacks[0].is_hashed
+
   @property
   def feature(self) -> str:
     """The name of the layer's one feature (and of its table and stack)."""
@@ -154,6 +176,9 @@ def _table_spec(
   initializer: Any,
   limit: int,
   dtypes: tuple[Any, Any],
+  ids: str = "range",
+  eviction: Any = None,
+  unique_limit: int | None = None,
 ) -> TableSpec:
   return TableSpec(
     name=name,
@@ -163,9 +188,11 @@ def _table_spec(
     optimizer=optimizer,
     combiner="sum",
     max_ids_per_partition=limit,
-    max_unique_ids_per_partition=limit,
+    max_unique_ids_per_partition=unique_limit or limit,
     dtype=dtypes[0],
     activation_dtype=dtypes[1],
+    ids=ids,
+    eviction=eviction,
   )
 
 
@@ -187,6 +214,10 @@ def _plan_for(config: LookupConfig, samples: int) -> plan_lib.Plan:
   limit = per_sc
   if config.max_ids_per_partition is not None:
     limit = min(per_sc, config.max_ids_per_partition)
+  # A hashed table's distinct ids are not capped: its buffers' shapes then
+  # give their batch's samples per SparseCore (to within 8), which resolving
+  # its ids reads them with (`_samples_of`).
+  unique = per_sc if table.is_hashed else limit
   spec = _feature_spec(
     _table_spec(
       table.name,
@@ -196,6 +227,9 @@ def _plan_for(config: LookupConfig, samples: int) -> plan_lib.Plan:
       table.initializer,
       max(limit, 1),
       (table.dtype, table.activation_dtype),
+      ids=table.ids,
+      eviction=table.eviction,
+      unique_limit=max(unique, 1),
     ),
     samples,
   )
@@ -253,6 +287,8 @@ def _make_lookup_config(
   host_input: str,
   max_ids_per_partition: int | None,
   dtypes: tuple[Any, Any],
+  ids: str = "range",
+  eviction: Any = None,
 ) -> LookupConfig:
   if not isinstance(optimizer, OptimizerSpec):
     raise ValueError(
@@ -282,6 +318,8 @@ def _make_lookup_config(
     initializer or _default_initializer,
     1,
     dtypes,
+    ids=ids,
+    eviction=eviction,
   )
   base = embed_lib.make_config(
     stem,
@@ -330,8 +368,9 @@ def _physical(values: jax.Array, config: LookupConfig):
 
 
 def _check_ids(config: LookupConfig, ids: Any) -> None:
-  """Refuses out-of-range ids when they are concrete."""
-  if isinstance(ids, jax.core.Tracer):
+  """Refuses out-of-range ids when they are concrete (a hashed table takes
+  every id)."""
+  if config.is_hashed or isinstance(ids, jax.core.Tracer):
     return
   values = np.asarray(ids)
   if not values.size:
@@ -356,6 +395,8 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
     slots: `{feature: {slot: pz.StateVariable}}`, its optimizer slots.
     config: A `LookupConfig`.
     activation_probe: As `SparseCoreEmbed`'s (set by trainers).
+    maps: For a hashed table, its map (`SparseCoreEmbed.maps`, labelled
+      `f"{name}.map_{part}"`); else empty.
   """
 
   @classmethod
@@ -378,6 +419,8 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
     max_ids_per_partition: int | None = None,
     dtype: Any = jnp.float32,
     activation_dtype: Any = jnp.float32,
+    ids: str = "range",
+    eviction: Any = None,
   ) -> SparseCoreLookup:
     """Builds the layer and its sharded variables.
 
@@ -409,13 +452,28 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
       max_ids_per_partition: Window of ids one SparseCore sends one shard;
         None sizes it for the worst case of each call's shape. Smaller
         limits shrink the exchange; ids over them are looked up as zeros,
-        with a `ValueError` in an eager call and a warning under `jit`.
+        with a `ValueError` in an eager call and a warning under `jit`. A
+        hashed table's distinct ids are not capped (their keys travel to
+        their owners whatever the limit).
       dtype: How the table's rows are stored (`TableSpec.dtype`: float32,
         bfloat16 or float16).
       activation_dtype: The activations' dtype (`TableSpec.activation_dtype`).
+      ids: `"range"` (the default): token ids lie in `[0, vocab_size)`.
+        `"hashed"`: raw ids (`TableSpec.ids`, `core.hashed`): any int64,
+        or strings / bytes given to `preprocess`; `vocab_size` is then the
+        rows the table can hold. Training reads host buffers
+        (`preprocess`), which insert new ids; a call on the ids alone
+        looks them up without inserting.
+      eviction: For `ids="hashed"`, what a full window does
+        (`TableSpec.eviction`: an `Eviction` or a policy name; None:
+        `"lru"`); None for `"range"`.
 
     Returns:
       The layer.
+
+    Raises:
+      ValueError: On a bad argument (`ids` and `eviction` as `TableSpec`
+        checks them, naming the table `name`).
     """
     config = _make_lookup_config(
       f"{name}.embeddings",
@@ -432,9 +490,16 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
       host_input=host_input,
       max_ids_per_partition=max_ids_per_partition,
       dtypes=(dtype, activation_dtype),
+      ids=ids,
+      eviction=eviction,
     )
     tables, slots = embed_lib.make_variables(config, init_base_rng)
-    return cls(tables=tables, slots=slots, config=config)
+    return cls(
+      tables=tables,
+      slots=slots,
+      config=config,
+      maps=embed_lib.make_maps(config, init_base_rng),
+    )
 
   @classmethod
   def from_lookup(
@@ -453,7 +518,7 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
     activation_dtype: Any = None,
   ) -> SparseCoreLookup:
     """Converts a `pz.nn.EmbeddingLookup`, keeping its values, label and
-    axis names.
+    axis names (a table of ids in a range: `from_config` makes hashed ones).
 
     Args:
       lookup: The lookup, its table parameter bound (a `pz.Parameter`).
@@ -533,16 +598,24 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
   ) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
     """Host-preprocesses a batch of token ids into the call's buffers.
 
-    For large batches with FDO limits (`max_ids_per_partition`): pass the
-    result as the side input named `host_input` with the same ids, e.g.
+    For large batches with FDO limits (`max_ids_per_partition`), and for
+    training a hashed table: pass the result as the side input named
+    `host_input` with ids of the same shape, e.g.
     `model(tokens, sparsecore_inputs=lookup.preprocess(tokens)[0])`.
 
     Args:
-      token_ids: Integer ids of any shape (a `NamedArray` or an array).
+      token_ids: Integer ids of any shape (a `NamedArray` or an array). A
+        hashed table (`ids="hashed"`) takes raw ids: int64 or uint64 of any
+        value, or strings / bytes (`pzsc.string_ids`).
       allow_id_dropping: Drop ids over the limits instead of raising.
 
     Returns:
-      `(inputs, stats)`, as `SparseCoreEmbed.preprocess`.
+      `(inputs, stats)`, as `SparseCoreEmbed.preprocess`; a hashed table's
+      buffers carry its raw ids (`hashed_ids`), resolved by the trainer
+      (inserting) or by the call (looking up).
+
+    Raises:
+      ValueError: On ids out of range (a range table) or of another type.
     """
     config = self.config
     if isinstance(token_ids, pz.nx.NamedArray | pz.nx.NamedArrayView):
@@ -553,15 +626,25 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
     splits = np.concatenate(
       [np.arange(ids.size + 1), np.full(samples - ids.size, ids.size)]
     ).astype(np.int64)
-    host = dataclasses.replace(self, config=_host_config(config, samples))
+    if not config.is_hashed:
+      ids = ids.astype(np.int32)
     return embed_lib.SparseCoreEmbed.preprocess(
-      host,
-      (ids.astype(np.int32), splits),
+      self._for_samples(samples),
+      (ids, splits),
       allow_id_dropping=allow_id_dropping,
     )
 
   def __call__(self, token_index: Any, /, **side_inputs: Any) -> Any:
     """Embeddings of `token_index`: its named axes plus the embedding axes.
+
+    A hashed table (`ids="hashed"`) reads each id as a signed 64-bit id
+    (int32 ids sign-extended; int64 and uint64 ones with x64 on) and looks
+    it up without inserting: an id the table does not hold reads zeros and
+    is counted (its map's `unseen` counter). With host buffers (the side
+    input), the buffers' raw ids are looked up and only `token_index`'s
+    shape (axis names and sizes) counts: its values, which need not hold
+    the raw ids (without x64 a `NamedArray` holds no int64 id), are not
+    read.
 
     Args:
       token_index: A `NamedArray` of integer ids (named axes only, disjoint
@@ -576,7 +659,9 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
 
     Raises:
       ValueError: On non-integer or out-of-range (concrete) ids, positional
-        axes, or host buffers of another shape.
+        axes, or host buffers of another shape; for a hashed table, when
+        training (a trainer's or `pzsc.value_and_grad`'s call) on ids
+        without host buffers, or on host buffers not resolved yet.
     """
     config = self.config
     place_tables(self)
@@ -587,8 +672,9 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
     plan = config.plan_for(flat.size)
     host = side_inputs.get(config.host_input)
     if isinstance(host, PreprocessedInput):
-      inputs = host
-      embed_lib.check_inputs(_host_config(config, samples), inputs)
+      inputs = self._host_inputs(host, samples)
+    elif config.is_hashed:
+      inputs = self._hashed_inputs(flat, samples)
     else:
       # A pad, not `.at[:n].set`: jaxlib 0.11's SPMD partitioner aborts
       # on that scatter when the ids are sharded (Penzai's sampling loop).
@@ -613,6 +699,101 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
     )
     return pz.nx.wrap(value).tag(*names, *(n for n, _ in config.embedding_axes))
 
+  def _for_samples(self, samples: int) -> SparseCoreLookup:
+    """The layer with the plain config of `samples` samples (its variables
+    shared): what `SparseCoreEmbed`'s methods read buffers of that batch
+    with."""
+    return dataclasses.replace(self, config=_host_config(self.config, samples))
+
+  def _host_inputs(
+    self, inputs: PreprocessedInput, samples: int
+  ) -> PreprocessedInput:
+    """Host buffers checked for `samples` samples; a hashed table's raw ids
+    resolved for inference."""
+    host = self._for_samples(samples)
+    embed_lib.check_inputs(host.config, inputs)
+    if inputs.hashed_ids is None:
+      return inputs
+    if self.activation_probe is not None:
+      raise ValueError(
+        f"SparseCoreLookup {self.config.label!r}: training on buffers whose "
+        "raw ids are not resolved (they would not be inserted); "
+        "SparseCoreTrainer resolves them, a hand-written step calls inputs "
+        "= lookup.resolve_ids(inputs, step=step) first"
+      )
+    return self.resolve_ids(inputs, train=False)
+
+  def _hashed_inputs(self, flat: jax.Array, samples: int) -> PreprocessedInput:
+    """Buffers of raw ids built on the device, resolved for inference."""
+    config = self.config
+    if self.activation_probe is not None:
+      raise ValueError(
+        f"SparseCoreLookup {config.label!r} has hashed ids: training must "
+        "insert new ids, which buffers built on the device from the "
+        "NamedArray cannot do. Pass host buffers: model(tokens, "
+        f"{config.host_input}=lookup.preprocess(raw_ids)[0])"
+      )
+    lo, hi = hashed_build.id_words(flat)
+    pad = (0, samples - flat.size)
+    raw = hashed_build.RawIds(
+      jnp.pad(lo, pad),
+      jnp.pad(hi, pad),
+      jnp.arange(samples, dtype=jnp.int32) < flat.size,
+    )
+    plan = config.plan_for(flat.size)
+    stack = plan.stacks[0]
+    inputs, dropped, no_room = hashed_build.build_inputs(
+      plan, config.topology, {config.feature: raw}
+    )
+    if config.max_ids_per_partition is not None:
+      _report_dropped(config, dropped[stack.name])
+    _report(
+      no_room[stack.name],
+      f"SparseCoreLookup {config.label!r}: {{n}} ids found no row: one "
+      "SparseCore's samples named more distinct ids of one shard than its "
+      f"{stack.rows_per_shard} rows; they were looked up as zeros. Raise "
+      "vocab_size (the capacity) or split the batch",
+    )
+    return self.resolve_ids(inputs, train=False)
+
+  def config_of(self, inputs: Any) -> embed_lib.EmbedConfig:
+    """The config of the batch these buffers were preprocessed for, found
+    from their shapes (`_samples_of`); the layer's own if no batch fits.
+    `resolve_ids` (which `SparseCoreTrainer` calls before each step) and
+    the trainer's checks read buffers of any batch shape with it."""
+    samples = _samples_of(self.config, inputs)
+    if samples is None:
+      return self.config
+    return _host_config(self.config, samples)
+
+  def validate(self, inputs: PreprocessedInput) -> None:
+    """`SparseCoreEmbed.validate` of buffers from `preprocess`, of any batch
+    shape.
+
+    The buffers' shapes give their batch's plan (`config_of`) but, when
+    `max_ids_per_partition` caps a range table's windows, not its samples
+    per SparseCore: sample ids are then checked against the most the
+    buffers name.
+
+    Raises:
+      ValueError: As `SparseCoreEmbed.validate`.
+    """
+    config = self.config_of(inputs)
+    if (
+      self.config.max_ids_per_partition is not None
+      and not self.config.is_hashed
+      and config is not self.config
+      and inputs.sample_order is None
+    ):
+      stack = config.plan.stacks[0]
+      named = _largest_sample_id(inputs.lhs_sample_ids[stack.name]) + 1
+      wider = _host_config(self.config, self.config.topology.num_shards * named)
+      if named > stack.samples_per_sc and _shaped_for(wider, inputs):
+        config = wider
+    embed_lib.SparseCoreEmbed.validate(
+      dataclasses.replace(self, config=config), inputs
+    )
+
   def fixed_probes(self) -> None:
     """None: the activations' shape is the call's."""
     return None
@@ -624,21 +805,90 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
 
 def _report_dropped(config: LookupConfig, dropped: jax.Array) -> None:
   """Refuses (eagerly) or warns (under jit) when ids were over the limit."""
-  message = (
-    "SparseCoreLookup {label!r}: {n} ids over max_ids_per_partition={limit}"
-    " were dropped (looked up as zeros); raise the limit or leave it None"
+  _report(
+    dropped,
+    f"SparseCoreLookup {config.label!r}: {{n}} ids over "
+    f"max_ids_per_partition={config.max_ids_per_partition} were dropped "
+    "(looked up as zeros); raise the limit or leave it None",
   )
-  fmt = {"label": config.label, "limit": config.max_ids_per_partition}
-  if not isinstance(dropped, jax.core.Tracer):
-    if int(dropped):
-      raise ValueError(message.format(n=int(dropped), **fmt))
+
+
+def _report(count: jax.Array, message: str) -> None:
+  """Raises `ValueError(message.format(n=count))` if `count` is concrete
+  and not 0; under jit, warns so when the call runs."""
+  if not isinstance(count, jax.core.Tracer):
+    if int(count):
+      raise ValueError(message.format(n=int(count)))
     return
 
   def warn(n):
     if int(n):
-      warnings.warn(message.format(n=int(n), **fmt), stacklevel=1)
+      warnings.warn(message.format(n=int(n)), stacklevel=1)
 
-  jax.debug.callback(warn, dropped)
+  jax.debug.callback(warn, count)
+
+
+def _shaped_for(config: embed_lib.EmbedConfig, inputs: Any) -> bool:
+  """Whether `inputs` have the buffer shapes of `config`'s plan."""
+  try:
+    embed_lib.check_inputs(config, inputs)
+  except ValueError:
+    return False
+  return True
+
+
+def _samples_of(config: LookupConfig, inputs: Any) -> int | None:
+  """The padded sample count of a batch whose `preprocess` gives buffers of
+  `inputs`' shapes, or None if none does.
+
+  A plan of `B` samples per SparseCore has `C_dev = r8(limit) * S * N`
+  COO entries per device (`limit = min(B, max_ids_per_partition)`); a
+  hashed table's, `N * S * r8(B) * 4` words of `hashed_ids` (its distinct
+  ids are not capped); on one device, a sample order of `S * B + 1 + 2 *
+  C_dev` values. The largest `B` the shapes admit is taken (`r8(B)`, or
+  `r8(limit)` for a range table): it reads every sample of the buffers.
+  Example: 8 shards, 16 samples: `B = 2`, read back as `B = 8` (64
+  samples), whose plan gives the same shapes.
+  """
+  if not isinstance(inputs, PreprocessedInput):
+    return None
+  topo = config.topology
+  g, n = topo.num_devices, topo.num_shards
+  s = topo.num_sc_per_device
+  stack = config.plan.stacks[0].name
+  coo = getattr(inputs.lhs_embedding_ids.get(stack), "shape", None)
+  keys = getattr((inputs.hashed_ids or {}).get(stack), "shape", None)
+  order = (inputs.sample_order or {}).get(stack)
+  if not coo:
+    return None
+  per_device = coo[0] // g
+  per_sc = per_device // (s * n)
+  if keys:
+    per_sc = keys[0] // (g * n * s * hashed.KEY_WORDS)
+  if order is not None:
+    per_sc = (order.shape[0] // g - 1 - 2 * per_device) // s
+  if per_sc <= 0 or not _shaped_for(_host_config(config, per_sc * n), inputs):
+    return None
+  return per_sc * n
+
+
+def _largest_sample_id(sample_ids: jax.Array) -> int:
+  """The largest sample id of this process's shards of a buffer (-1 if
+  none, or traced)."""
+  if isinstance(sample_ids, jax.core.Tracer):
+    return -1  # `validate` refuses traced buffers.
+  blocks = (
+    [shard.data for shard in sample_ids.addressable_shards]
+    if isinstance(sample_ids, jax.Array)
+    else [sample_ids]
+  )
+  most = -1
+  for block in blocks:
+    ids = np.asarray(block)
+    ids = ids[ids != buffer_format.PAD_ID]
+    if ids.size:
+      most = max(most, int(ids.max()))
+  return most
 
 
 def _host_config(config: LookupConfig, samples: int) -> embed_lib.EmbedConfig:

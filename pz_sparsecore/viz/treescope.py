@@ -339,12 +339,14 @@ def lookup_details(lookup: Any) -> list[str]:
     (SHARD_AXIS, config.axis_mapping[SHARD_AXIS]),
     *((name, ()) for name, _ in config.embedding_axes),
   ]
+  maps = getattr(lookup, "maps", {})
   return [
     _mapping_text(axes),
     _stack_line(plan, stack, f"samples per call, limits per call: {limits}"),
     *stack_details(plan, stack)[1:],
     f"  placement: {placement_of(topology, stack.name)}",
     f"  exchange: {exchange_text}",
+    *(map_lines(lookup, stack.name) if stack.name in maps else []),
   ]
 
 
