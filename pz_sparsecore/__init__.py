@@ -103,6 +103,7 @@ _EXPORTS = {
   "variable_jit": "nn.jit",
   "NonFiniteUpdateError": "nn.training",
   "NonFiniteInputError": "nn.training",
+  "LimitsRaisedWarning": "nn.training",
   "save_checkpoint": "nn.checkpoint",
   "restore_checkpoint": "nn.checkpoint",
   "list_checkpoints": "nn.checkpoint",

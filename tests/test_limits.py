@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -323,3 +325,136 @@ def test_merge_stats_takes_the_larger_counts_and_refuses_other_topologies(
   # The next action: statistics of one topology merge, and set limits.
   refreshed = pzsc.update_limits(embed, merged, headroom=1.25)
   refreshed.preprocess(batches[1])
+
+
+def _epoch_trainer(mesh):
+  """One feature of one id per sample, batches of 64 (the epoch loop's)."""
+  spec = specs.FeatureSpec(
+    name="a",
+    table_spec=_table("t", 1000),
+    input_shape=(64, 1),
+    output_shape=(64, DIM),
+  )
+  embed = pzsc.SparseCoreEmbed.from_config(
+    "emb", jax.random.key(3), {"a": spec}, mesh
+  )
+  return pzsc.SparseCoreTrainer.build(
+    jax.random.key(1), embed, optax.sgd(0.1), _loss_fn
+  )
+
+
+def _epoch():
+  """20 batches of 64 uniform ids, the last one all one id (over the
+  limits that the other 19 need)."""
+  rng = np.random.default_rng(7)
+  batches = [{"a": rng.integers(0, 1000, (64, 1))} for _ in range(19)]
+  return batches + [{"a": np.full((64, 1), 5)}]
+
+
+def _step_compiles(records) -> int:
+  return sum(
+    r.getMessage().startswith("Compiling jit(_trainer_step)") for r in records
+  )
+
+
+def _limits_of(trainer):
+  spec = trainer.model.config.plan.stacks[0].spec
+  return spec.max_ids_per_partition, spec.max_unique_ids_per_partition
+
+
+def _fit_epoch(trainer, caplog):
+  """One `fit` call over `_epoch()` refreshing every 10 steps: its aux
+  outputs, the step's compilations and the `LimitsRaisedWarning`s."""
+  caplog.clear()
+  with (
+    jax.log_compiles(True),
+    caplog.at_level("WARNING"),
+    warnings.catch_warnings(record=True) as said,
+  ):
+    warnings.simplefilter("always")
+    aux = trainer.fit(
+      _epoch(),
+      lambda b: {"inputs": trainer.model.preprocess(b)[0]},
+      refresh_limits_every=10,
+    )
+  raised = [w for w in said if issubclass(w.category, pzsc.LimitsRaisedWarning)]
+  return aux, _step_compiles(caplog.records), len(raised)
+
+
+def test_an_epoch_loop_of_fit_calls_compiles_no_more_after_its_first_epoch(
+  mesh, caplog
+):
+  """Three `fit` calls over the same epoch: the first calibrates, then
+  raises the limits for the last batch (two compilations, one warning);
+  the next ones keep the limits the first epoch needed (none)."""
+  trainer = _epoch_trainer(mesh)
+  compiles, limits = [], []
+  for epoch in range(3):
+    aux, step_compiles, raised = _fit_epoch(trainer, caplog)
+    assert len(aux) == 20
+    compiles.append(step_compiles)
+    limits.append(_limits_of(trainer))
+    assert raised == (1 if epoch == 0 else 0)
+  assert compiles == [2, 0, 0]
+  assert limits[0] == limits[1] == limits[2]
+  # The limits admit the all-one-id batch: each SparseCore's 8 samples on
+  # one partition.
+  assert limits[0][0] >= 64 // len(mesh.devices.flat)
+
+
+def test_fit_without_refresh_raises_limits_for_a_batch_over_them(mesh):
+  """Without `refresh_limits_every`, a batch over the limits is redone
+  with raised limits (said once), and training equals a run whose limits
+  admitted every batch from the start."""
+  batches = _epoch()
+  batches.insert(5, {"a": np.full((64, 1), 3)})  # A second one over them.
+
+  def prep(t):
+    return lambda b: {"inputs": t.model.preprocess(b)[0]}
+
+  wide = _epoch_trainer(mesh)
+  want = wide.fit(batches, prep(wide))  # Worst-case limits: no refusal.
+  trainer = _epoch_trainer(mesh)
+  # Limits the uniform batches fit, the repeated ids do not.
+  stats = None
+  for b in batches:
+    if len(np.unique(b["a"])) > 1:
+      _, s = trainer.model.preprocess(b)
+      stats = s if stats is None else pzsc.merge_stats(stats, s)
+  object.__setattr__(trainer, "model", pzsc.update_limits(trainer.model, stats))
+  small = _limits_of(trainer)
+  with pytest.raises(pzsc.LimitsExceededError):
+    trainer.model.preprocess(batches[5])
+  with pytest.warns(pzsc.LimitsRaisedWarning, match="step 5") as said:
+    got = trainer.fit(batches, prep(trainer))
+  assert len(said) == 1
+  assert _limits_of(trainer)[0] >= 64 // len(mesh.devices.flat) > small[0]
+  np.testing.assert_allclose(
+    [float(a["loss"]) for a in got],
+    [float(a["loss"]) for a in want],
+    rtol=1e-5,
+  )
+
+
+def test_fit_statistics_are_saved_with_the_checkpoint(mesh, tmp_path, caplog):
+  """A trainer restored from a checkpoint keeps `fit`'s statistics: its
+  next epoch compiles the step once (a new trainer's first compile) and
+  raises no limit, where one restored without them (an older checkpoint)
+  shrinks its limits on the first batch and raises them again."""
+  trainer = _epoch_trainer(mesh)
+  _fit_epoch(trainer, caplog)
+  pzsc.save_checkpoint(tmp_path / "ckpt", trainer)
+  trained = _limits_of(trainer)
+
+  def next_epoch(restored):
+    return _fit_epoch(restored, caplog)[1:]
+
+  restored = pzsc.restore_checkpoint(tmp_path / "ckpt", _epoch_trainer(mesh))
+  assert restored.limit_stats is not None
+  assert _limits_of(restored) == trained
+  assert next_epoch(restored) == (1, 0)
+  assert _limits_of(restored) == trained
+  # Without them: the limits shrink on the first batch, then grow back.
+  without = pzsc.restore_checkpoint(tmp_path / "ckpt", _epoch_trainer(mesh))
+  object.__setattr__(without, "limit_stats", None)
+  assert next_epoch(without) == (2, 1)

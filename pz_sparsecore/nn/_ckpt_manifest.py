@@ -54,7 +54,7 @@ from pz_sparsecore.nn._ckpt_layout import StackLayout, stack_layout
 from pz_sparsecore.nn._ckpt_limits import describe_limits
 from pz_sparsecore.nn.embed import SparseCoreEmbed, find_embeds, variable_labels
 from pz_sparsecore.nn.tables import positional_table
-from pz_sparsecore.nn.training import SparseCoreTrainer
+from pz_sparsecore.nn.training import SparseCoreTrainer, fit_limits_from_json
 
 FORMAT = "pz_sparsecore.checkpoint"
 VERSION = 2
@@ -218,16 +218,26 @@ def _trainer_tree(trainer: SparseCoreTrainer) -> dict[str, Any]:
 
 
 def restored_trainer(
-  trainer: SparseCoreTrainer, treedef: Any, leaves: list[Any], model: Any
+  trainer: SparseCoreTrainer,
+  treedef: Any,
+  leaves: list[Any],
+  model: Any,
+  fit_stats: Mapping[str, Any] | None = None,
 ) -> SparseCoreTrainer:
   """`trainer` with restored leaves (as `describe` flattened them) and model.
 
   Its state variable is updated in place; the returned trainer also has the
-  restored root key.
+  restored root key, and `fit`'s saved statistics (`fit_stats`, where they
+  were counted on the restored layers' topology; else none).
   """
   tree = jax.tree.unflatten(treedef, leaves)
   trainer.state.value = tree["state"]
-  return dataclasses.replace(trainer, model=model, root_rng=tree["root_rng"])
+  stats = None
+  if fit_stats is not None:
+    stats = fit_limits_from_json(fit_stats, model)
+  return dataclasses.replace(
+    trainer, model=model, root_rng=tree["root_rng"], limit_stats=stats
+  )
 
 
 def _describe_trainer(trainer: SparseCoreTrainer, out: Description):
@@ -271,6 +281,11 @@ def describe(target: Any) -> Description:
     "embeds": embeds,
     "variables": _describe_variables(model, out),
     "trainer": None if trainer is None else _describe_trainer(trainer, out),
+    # `fit`'s statistics of the batches it preprocessed, per layer (so the
+    # limits it sets after a restore never fall below what they needed).
+    "fit_stats": None
+    if trainer is None or trainer.limit_stats is None
+    else trainer.limit_stats.to_json(),
   }
   out.manifest = json.loads(json.dumps(manifest))
   return out

@@ -608,7 +608,11 @@ def _restore(
   if reads.trainer is None:
     return _assign(model, values)
   restored = restored_trainer(
-    target, description.trainer_treedef, leaves, _assign(model, values)
+    target,
+    description.trainer_treedef,
+    leaves,
+    _assign(model, values),
+    chain.newest.get("fit_stats"),
   )
   saved(restored, directory, step)
   return restored

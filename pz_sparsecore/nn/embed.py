@@ -800,7 +800,7 @@ class SparseCoreEmbed(pz.nn.Layer):
     features = _flatten_samples(self.config, features, "features")
     if weights is not None:
       weights = _flatten_samples(self.config, weights, "weights")
-    local = _local_device_count(topo)
+    local = local_device_count(topo)
     try:
       inputs, stats = preprocess_for_plan(
         self.config.plan,
@@ -1085,7 +1085,7 @@ def _flatten_samples(config: EmbedConfig, tree: Any, what: str) -> Any:
   return jax.tree.unflatten(treedef, out)
 
 
-def _local_device_count(topo: topology_lib.Topology) -> int:
+def local_device_count(topo: topology_lib.Topology) -> int:
   """Positions along the shard axis whose devices this process owns."""
   names = list(topo.mesh.axis_names)
   devices = np.moveaxis(

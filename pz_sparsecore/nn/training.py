@@ -55,11 +55,13 @@ import collections
 import dataclasses
 import itertools
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from penzai import pz
 
@@ -69,12 +71,16 @@ from pz_sparsecore.device.kernels import ffi
 from pz_sparsecore.host import fdo
 from pz_sparsecore.host.fill import LimitsExceededError
 from pz_sparsecore.host.pipeline import PrefetchError, prefetch
-from pz_sparsecore.host.preprocess import PreprocessedInput
+from pz_sparsecore.host.preprocess import (
+  PreprocessedInput,
+  SparseDenseMatmulInputStats,
+)
 from pz_sparsecore.nn import _touched as touched_lib
 from pz_sparsecore.nn.embed import (
   SparseCoreEmbed,
   find_embeds,
   fits,
+  local_device_count,
   recording_stats,
   variable_labels,
 )
@@ -622,6 +628,10 @@ class SparseCoreTrainer(pz.Struct):
     touched: With `track_touched`, the rows the steps touched since the
       last save or restore, per stack (`_touched.Touched`), which delta
       checkpoints write (`save_checkpoint(..., delta=True)`); else None.
+    limit_stats: Internal: the statistics of every batch `fit` has
+      preprocessed, per layer, kept from one `fit` call to the next (the
+      limits it sets never fall below what earlier batches needed); None
+      before the first `fit`.
     validate_inputs: Which steps check the contents of the
       `PreprocessedInput`s in their keyword arguments with
       `SparseCoreEmbed.validate` before running (for buffers built by hand):
@@ -660,6 +670,9 @@ class SparseCoreTrainer(pz.Struct):
     default=2, metadata={"pytree_node": False}
   )
   touched: Any = dataclasses.field(
+    default=None, metadata={"pytree_node": False}
+  )
+  limit_stats: Any = dataclasses.field(
     default=None, metadata={"pytree_node": False}
   )
 
@@ -917,20 +930,26 @@ class SparseCoreTrainer(pz.Struct):
     `depth` batches ahead, so the host work of batch k + 1 overlaps step k.
     Like `step`, this updates the model's variables in place.
 
-    With `refresh_limits_every=n`, the statistics of every batch the
-    model's layers preprocess are recorded, and each layer's limits are set
-    from the largest counts seen so far times `headroom`
-    (`pzsc.update_limits`) where that at least halves one (each change
-    compiles the step once more, for the new buffer shapes): first from the
-    first batch, preprocessed once more before the first step (so the
-    worst-case limits `from_config` starts with shrink to the data before
-    anything compiles), then every `n` steps.
-    A batch refused for its limits (`LimitsExceededError`) is not an error
-    then: its counts join the statistics, the limits are refreshed, and the
-    batch is preprocessed again. The trainer's `model` is replaced in
-    place, so `preprocess` must read the layer from the trainer at each
-    call (`trainer.model[...].preprocess`, as in the example below), not
-    hold on to a layer.
+    The statistics of every batch the model's layers preprocess in `fit`
+    are recorded, and kept by the trainer from one `fit` call to the next
+    (an epoch loop of `fit` calls sees every epoch's batches). With
+    `refresh_limits_every=n`, each layer's limits are set from the largest
+    counts seen so far times `headroom` (`pzsc.update_limits`) where that
+    at least halves one (each change compiles the step once more, for the
+    new buffer shapes): first from the first batch, preprocessed once more
+    before the first step (so the worst-case limits `from_config` starts
+    with shrink to the data before anything compiles; in a later `fit`
+    call the earlier batches count too, so the limits never fall below
+    what they needed and an epoch loop compiles no more once its batches
+    have been seen), then every `n` steps.
+    A batch refused for its limits (`LimitsExceededError`) is never an
+    error in `fit`, with or without `refresh_limits_every`: its counts join
+    the statistics, the limits are raised from them (times `headroom`),
+    the batch is preprocessed again and the step compiles once more; the
+    first time, a `LimitsRaisedWarning` says so. The trainer's `model` is
+    replaced in place, so `preprocess` must read the layer from the
+    trainer at each call (`trainer.model[...].preprocess`, as in the
+    example below), not hold on to a layer.
 
     Args:
       batches: Raw batches (any iterable; may be infinite with `steps`).
@@ -942,8 +961,9 @@ class SparseCoreTrainer(pz.Struct):
         batch past the last step is pulled from `batches`.
       depth: Preprocessed batches that may wait for the step.
       callback: Called as `callback(i, aux)` after step `i` (from 0).
-      refresh_limits_every: None (limits as they are), or the steps between
-        refreshes of the limits from the recorded statistics.
+      refresh_limits_every: None (limits as they are unless a batch is
+        over them), or the steps between refreshes of the limits from the
+        recorded statistics.
       headroom: Factor on the recorded counts at a refresh (at least 1).
 
     Returns:
@@ -973,39 +993,83 @@ class SparseCoreTrainer(pz.Struct):
     if steps is not None:
       batches = itertools.islice(batches, steps)
     auxes: list[Any] = []
-    if refresh_limits_every is None:
-      self._fit_run(batches, preprocess, depth, callback, auxes)
-    else:
-      limits = _LimitsRefresher(headroom)
-      with recording_stats(limits.record):
-        source = iter(batches)
-        refused_at = None
-        chunk = list(itertools.islice(source, refresh_limits_every))
-        if chunk and preprocess is not None:
-          # Calibration before the first step: the first batch's counts.
-          try:
-            preprocess(chunk[0])
-            limits.refresh(self, must_admit=False)
-          except LimitsExceededError:
-            limits.refresh(self, must_admit=True)
-        while chunk:
-          while chunk:
-            try:
-              self._fit_run(chunk, preprocess, depth, callback, auxes)
-              chunk = []
-            except PrefetchError as e:
-              # Refused for its limits, and not just after a refresh for it.
-              if not isinstance(e.__cause__, LimitsExceededError) or (
-                refused_at == len(auxes)
-              ):
-                raise
-              refused_at = len(auxes)
-              limits.refresh(self, must_admit=True)
-              chunk = chunk[e.batch_number :]
-          limits.refresh(self, must_admit=False)
-          chunk = list(itertools.islice(source, refresh_limits_every))
+    if self.limit_stats is None:
+      object.__setattr__(self, "limit_stats", _LimitsRefresher())
+    limits = self.limit_stats
+    limits.headroom = headroom
+    every = refresh_limits_every
+    with recording_stats(limits.record):
+      if every is None:
+        self._fit_redoing(iter(batches), preprocess, depth, callback, auxes)
+      else:
+        self._fit_refreshing(
+          iter(batches), preprocess, depth, callback, auxes, every
+        )
     self.wait()
     return auxes
+
+  def _fit_redoing(self, source, preprocess, depth, callback, auxes) -> None:
+    """`fit` without refreshes: a batch refused for its limits raises them
+    and is redone, with the batches pulled after it."""
+    redo: list[Any] = []
+    refused_at = None
+    while True:
+      pulled: collections.deque[Any] = collections.deque()
+
+      def feed(first=tuple(redo), pulled=pulled):
+        for batch in itertools.chain(first, source):
+          pulled.append(batch)
+          yield batch
+
+      def stepped(i, aux, pulled=pulled):
+        pulled.popleft()
+        if callback is not None:
+          callback(i, aux)
+
+      try:
+        self._fit_run(feed(), preprocess, depth, stepped, auxes)
+        return
+      except PrefetchError as e:
+        refused_at = self._raise_limits_for(e, auxes, refused_at)
+        redo = list(pulled)  # The refused batch first.
+
+  def _raise_limits_for(self, error, auxes, refused_at) -> int:
+    """After `fit`'s run stopped at `error`: re-raises it unless it refused
+    a batch for its limits, and not just after a refresh for it; else
+    raises the limits (saying so once) and returns the refused step."""
+    if not isinstance(error.__cause__, LimitsExceededError) or (
+      refused_at == len(auxes)
+    ):
+      raise error
+    self.limit_stats.refresh(self, must_admit=True)
+    self.limit_stats.say_raised(len(auxes), error.__cause__, self.model)
+    return len(auxes)
+
+  def _fit_refreshing(
+    self, source, preprocess, depth, callback, auxes, every
+  ) -> None:
+    """`fit` with refreshes every `every` steps (see `fit`)."""
+    limits = self.limit_stats
+    refused_at = None
+    chunk = list(itertools.islice(source, every))
+    if chunk and preprocess is not None:
+      # Calibration before the first step: the first batch's counts (with
+      # those of earlier `fit` calls).
+      try:
+        preprocess(chunk[0])
+        limits.refresh(self, must_admit=False)
+      except LimitsExceededError:
+        limits.refresh(self, must_admit=True)
+    while chunk:
+      while chunk:
+        try:
+          self._fit_run(chunk, preprocess, depth, callback, auxes)
+          chunk = []
+        except PrefetchError as e:
+          refused_at = self._raise_limits_for(e, auxes, refused_at)
+          chunk = chunk[e.batch_number :]
+      limits.refresh(self, must_admit=False)
+      chunk = list(itertools.islice(source, every))
 
   def _fit_run(
     self,
@@ -1029,13 +1093,88 @@ class SparseCoreTrainer(pz.Struct):
           callback(i, auxes[-1])
 
 
-class _LimitsRefresher:
-  """`fit`'s record of each layer's statistics, and the refreshes."""
+class LimitsRaisedWarning(UserWarning):
+  """`fit` raised a layer's limits for a batch over them, and redid it."""
 
-  def __init__(self, headroom: float):
+
+class _LimitsRefresher:
+  """`fit`'s record of each layer's statistics (kept by the trainer from
+  one `fit` call to the next), and the refreshes."""
+
+  def __init__(self, headroom: float = 1.25):
     self.headroom = headroom
     self._lock = threading.Lock()
     self._stats: dict[str, Any] = {}
+    self._said = False
+
+  def to_json(self) -> dict[str, Any]:
+    """The statistics as JSON types (a checkpoint's `"fit_stats"`)."""
+    with self._lock:
+      stats = dict(self._stats)
+    return {
+      name: {
+        field.name: {
+          stack: np.asarray(value).tolist()
+          for stack, value in getattr(s, field.name).items()
+        }
+        for field in dataclasses.fields(s)
+      }
+      for name, s in stats.items()
+    }
+
+  @classmethod
+  def from_json(cls, data: Mapping[str, Any], model: Any) -> _LimitsRefresher:
+    """Statistics from `to_json`, for `model`'s layers: a layer's are kept
+    where every stack they count is the layer's and was counted on its
+    topology (as many partitions and SparseCores), else dropped (limits
+    are not converted between topologies, `_ckpt_limits`)."""
+    out = cls()
+    for embed in (
+      pz.select(model).at_instances_of(SparseCoreEmbed).get_sequence()
+    ):
+      saved = data.get(embed.config.name)
+      if saved is None:
+        continue
+      stats = SparseDenseMatmulInputStats(
+        **{
+          field: {
+            stack: np.asarray(
+              value, np.int64 if field == "id_drop_counters" else np.int32
+            )
+            for stack, value in values.items()
+          }
+          for field, values in saved.items()
+        }
+      )
+      if _counted_for(stats, embed):
+        out._stats[embed.config.name] = stats
+    return out
+
+  def say_raised(self, step: int, error: Exception, model: Any) -> None:
+    """Warns, once per trainer, that a batch was over the limits."""
+    if self._said:
+      return
+    self._said = True
+    limits = {
+      e.config.name: {
+        s.name: (
+          s.spec.max_ids_per_partition,
+          s.spec.max_unique_ids_per_partition,
+        )
+        for s in e.config.plan.stacks
+      }
+      for e in pz.select(model).at_instances_of(SparseCoreEmbed).get_sequence()
+    }
+    warnings.warn(
+      f"fit: the batch of step {step} was over the limits ({error}); the "
+      "limits were raised from every batch's statistics so far (times "
+      f"headroom {self.headroom}) to {limits} (max ids, max unique ids per "
+      "partition, per layer and stack) and the batch was redone; the step "
+      "compiles once more for the new buffer shapes. Later batches over "
+      "the limits are handled alike, without this warning.",
+      LimitsRaisedWarning,
+      stacklevel=3,
+    )
 
   def record(self, config: Any, stats: Any) -> None:
     with self._lock:
@@ -1066,6 +1205,33 @@ class _LimitsRefresher:
       # The steps in flight hold their own buffers; the next ones use the
       # new layers.
       object.__setattr__(trainer, "model", model)
+
+
+def fit_limits_from_json(data: Mapping[str, Any], model: Any) -> Any:
+  """`fit`'s statistics from a checkpoint's `"fit_stats"`, for `model`'s
+  layers (see `SparseCoreTrainer.limit_stats`)."""
+  return _LimitsRefresher.from_json(data, model)
+
+
+def _counted_for(stats: SparseDenseMatmulInputStats, embed: Any) -> bool:
+  """Whether `stats` count stacks of `embed` on its topology (this
+  process's devices x its partitions; SparseCores)."""
+  plan = embed.config.plan
+  stacks = {stack.name for stack in plan.stacks}
+  try:
+    local = local_device_count(embed.config.topology)
+  except ValueError:
+    return False
+  sizes = {
+    "max_ids_per_partition": local * plan.num_shards,
+    "max_unique_ids_per_partition": local * plan.num_shards,
+    "required_buffer_size_per_sc": local * plan.num_sc_per_device,
+  }
+  for field, size in sizes.items():
+    for stack, value in getattr(stats, field).items():
+      if stack not in stacks or np.asarray(value).size != size:
+        return False
+  return True
 
 
 def _worth_changing(old: Any, new: Any, must_admit: bool) -> bool:
