@@ -184,6 +184,31 @@ def test_reader_gives_the_concatenated_ids(wide):
   np.testing.assert_array_equal(num_rows, [BATCH] * 3)
 
 
+def test_reader_takes_any_id_for_a_vocabulary_of_minus_one():
+  """vocab -1 (a hashed table's raw ids): every id is read, an unsigned one
+  as its 64 bits, in every form and dtype; below -1 is unreadable."""
+  big = np.array([2**64 - 1, 2**63, 5], np.uint64)
+  rows = [np.array([-(2**63), -1, 0], np.int64), big, np.array([], np.int8)]
+  dense = np.array([[-7, 2**31 - 1], [-(2**31), 3]], np.int32)
+  splits = (np.array([2**62, -2], np.int64), np.array([0, 1, 2]))
+  leaves = [rows, dense, splits]
+  vocab = np.full(3, -1, np.int64)
+  values, row_splits, num_rows = ragged_input.READER.read_ids(
+    leaves, vocab, True
+  )
+  want = np.concatenate(
+    [rows[0], big.view(np.int64), dense.reshape(-1).astype(np.int64)]
+    + [splits[0]]
+  )
+  np.testing.assert_array_equal(values, want)
+  np.testing.assert_array_equal(row_splits, [0, 3, 6, 6, 8, 10, 11, 12])
+  np.testing.assert_array_equal(num_rows, [3, 2, 2])
+  assert (
+    ragged_input.READER.read_ids(leaves, np.array([-1, -2, -1], np.int64), True)
+    == 1
+  )
+
+
 def _good_features():
   return {f"f{i}": np.ones((BATCH, 2), np.int32) for i in range(len(VOCABS))}
 
