@@ -132,13 +132,14 @@ _RENAMED = {"build_plan": "build", "predict_exchange_bytes": "predict_bytes"}
 __all__ = sorted(_EXPORTS)
 
 
-_SUBMODULES = ("viz",)
+_SUBMODULES = {"viz": "viz", "metrics": "nn.metrics"}
+"""Modules given as attributes: `pzsc.viz`, `pzsc.metrics`."""
 _TREESCOPE_SETUP = ("pz_sparsecore.viz.treescope", "register_renderers")
 
 
 def __getattr__(name: str):
   if name in _SUBMODULES:
-    return importlib.import_module(f"pz_sparsecore.{name}")
+    return importlib.import_module(f"pz_sparsecore.{_SUBMODULES[name]}")
   module = _EXPORTS.get(name)
   if module is None:
     raise AttributeError(f"module 'pz_sparsecore' has no attribute {name!r}")
