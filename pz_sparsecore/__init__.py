@@ -113,6 +113,7 @@ _EXPORTS = {
   "ServingOptimizerSpec": "nn.export",
   "PeerError": "nn.checkpoint",
   "logical_tables": "nn.tables",
+  "top_k": "nn.retrieval",
   "logical_slots": "nn.tables",
   "set_logical_tables": "nn.tables",
   "set_logical_slots": "nn.tables",
