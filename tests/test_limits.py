@@ -233,7 +233,11 @@ def test_fit_refreshes_limits_and_redoes_a_refused_batch(mesh, caplog):
   trainer = _trainer(mesh)
   seen = []
   caplog.clear()
-  with jax.log_compiles(True), caplog.at_level("WARNING"):
+  with (
+    jax.log_compiles(True),
+    caplog.at_level("WARNING"),
+    pytest.warns(pzsc.LimitsRaisedWarning, match="step 6"),
+  ):
     aux = trainer.fit(
       batches,
       prep(trainer),
