@@ -941,6 +941,21 @@ def compute_physical_row_ids(
   return shard * shard_rows + row_ids // num_sparse_cores + row_offset_in_shard
 
 
+def logical_row_ids(
+  num_sparse_cores: int,
+  shard_rotation: int,
+  row_offset_in_shard: int,
+  shard: Any,
+  row: Any,
+) -> Any:
+  """The logical rows of rows `row` of shards `shard` (the inverse of
+  `compute_physical_row_ids`): `(row - row_offset_in_shard) * N + (shard -
+  shard_rotation) % N`. Plain arithmetic on ints, NumPy or JAX arrays;
+  rows outside the table give ids outside `[0, padded_vocab_size)`."""
+  n = num_sparse_cores
+  return (row - row_offset_in_shard) * n + (shard - shard_rotation) % n
+
+
 def stack_and_shard_tables(
   table_specs: Any,
   tables: Mapping[str, Any],

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from pz_sparsecore.core import layout
 from pz_sparsecore.core.specs import TableSpec
 from pz_sparsecore.device.topology import Topology
 
@@ -115,7 +116,9 @@ class TableRows:
     """Logical ids of rows `row` (of the shard, not of the table) of
     `shard`; at least `vocabulary_size` for padding rows. The inverse of
     `layout.compute_physical_row_ids`."""
-    return (row - self.row_offset) * self.num_shards + self.first_id(shard)
+    return layout.logical_row_ids(
+      self.num_shards, self.rotation, self.row_offset, shard, row
+    )
 
   def real_rows(self, shard):
     """How many of the table's rows of `shard` hold real ids (a prefix)."""

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
-from pz_sparsecore.core import hashed
+from pz_sparsecore.core import hashed, layout
 from pz_sparsecore.host import _hashed_numba
 from pz_sparsecore.nn._ckpt_layout import StackLayout, stack_layout
 from pz_sparsecore.nn.embed import MAP_PARTS, find_embeds
@@ -77,6 +77,31 @@ def rehome(
   return values
 
 
+def held_slots(
+  stack: Any, num_shards: int, member: np.ndarray, raw: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+  """Where held ids go on `num_shards` shards of a hashed stack: each id's
+  owner and slot, the ids taking, in ascending order of table (`member`)
+  then id as an unsigned word, the first free slot of their windows
+  (`core.hashed`; slot -1: none free). A restore onto another shard count
+  and a serving load place the ids so."""
+  n = num_shards
+  regions = stack.regions(n)
+  first = np.array([f for f, _ in regions], np.int64)
+  rows = np.array([r for _, r in regions], np.int64)
+  owner = hashed.owners(raw, n)
+  home = np.empty(len(raw), np.int64)
+  for i, r in enumerate(rows):
+    home[member == i] = hashed.homes(raw[member == i], int(r))
+  order = np.lexsort((raw.view(np.uint64), member))
+  free = np.ones((n, stack.rows_per_shard), bool)
+  slot = np.full(len(raw), -1, np.int64)
+  slot[order] = _hashed_numba.rehome(
+    owner[order], home[order], member[order], first, rows, free
+  )
+  return owner, slot
+
+
 def _held(old: StackLayout, ids, seen):
   """Every held id of the stored map: its table, words, last step, count,
   and its logical row in its table (where the relayout moved its row)."""
@@ -90,7 +115,7 @@ def _held(old: StackLayout, ids, seen):
     ] = i
   first = np.array([t.row_offset_in_shard for t in old.tables])[member]
   rotation = np.array([t.shard_rotation for t in old.tables])[member]
-  logical = (slot - first) * n + (shard - rotation) % n
+  logical = layout.logical_row_ids(n, rotation, first, shard, slot)
   return member, ids[shard, slot], seen[shard, slot], logical
 
 
@@ -104,20 +129,7 @@ def _rehome_stack(embed, stack, old: StackLayout, labels, values) -> None:
   counters = np.asarray(values[labels["counters"]]).astype(np.int64)
   member, words, kept, logical = _held(old, ids, seen)
   raw = hashed.ids_of_words(words[:, 0], words[:, 1])
-  # Ascending (table, id as an unsigned word), as misses take slots.
-  order = np.lexsort((raw.view(np.uint64), member))
-  member, words, kept, logical, raw = (
-    a[order] for a in (member, words, kept, logical, raw)
-  )
-  regions = stack.regions(n)
-  first = np.array([f for f, _ in regions], np.int64)
-  rows = np.array([r for _, r in regions], np.int64)
-  owner = hashed.owners(raw, n)
-  home = np.empty(len(raw), np.int64)
-  for i, r in enumerate(rows):
-    home[member == i] = hashed.homes(raw[member == i], int(r))
-  free = np.ones((n, stack.rows_per_shard), bool)
-  slot = _hashed_numba.rehome(owner, home, member, first, rows, free)
+  owner, slot = held_slots(stack, n, member, raw)
   padded = np.array([t.padded_vocab for t in new.tables])[member]
   slot[logical >= padded] = -1
   keep = slot >= 0

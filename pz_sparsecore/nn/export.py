@@ -93,10 +93,10 @@ read the hyper-parameters), and inserting ids into a hashed table
 never inserts: unseen ids read zeros and are counted.
 
 A hashed table's ids are placed on the serving shards as a restore onto
-another topology places them (`_ckpt_hashed`): in ascending (table, id)
-order, each in the first free slot of its window on its owner; an id that
-finds none is refused with a `ValueError` (with windows of 64 slots, only
-when a table is nearly full).
+another topology places them (`_ckpt_hashed.held_slots`): in ascending
+(table, id) order, each in the first free slot of its window on its
+owner; an id that finds none is refused with a `ValueError` (with windows
+of 64 slots, only when a table is nearly full).
 
 Integrity and atomicity. Every file's CRC-32 (`_ckpt_integrity.block_crc`)
 and size are checked before anything is built: a damaged, truncated or
@@ -140,9 +140,9 @@ from pz_sparsecore.core.specs import (
   QuantizationConfig,
   TableSpec,
 )
-from pz_sparsecore.host import _hashed_numba
 from pz_sparsecore.nn import embed as embed_lib
 from pz_sparsecore.nn import lookup as lookup_lib
+from pz_sparsecore.nn._ckpt_hashed import held_slots
 from pz_sparsecore.nn._ckpt_integrity import CHECKSUM, block_crc, seal
 from pz_sparsecore.nn.checkpoint import _sync, _sync_tree
 from pz_sparsecore.nn.embed import MAP_PARTS, SparseCoreEmbed, find_embeds
@@ -936,7 +936,6 @@ def _hashed_stack(
   """A hashed stack's table and map (ids, seen, counters) with each held id
   in the first free slot of its window on its owner (module docstring)."""
   n = config.plan.num_shards
-  regions = stack.regions(n)
   ids = [np.asarray(held[t.name][0], np.int64) for t in stack.tables]
   rows = [held[t.name][1] for t in stack.tables]
   member = np.concatenate(
@@ -944,18 +943,7 @@ def _hashed_stack(
   )
   raw = np.concatenate(ids)
   values = np.concatenate([r.reshape(-1, r.shape[-1]) for r in rows])
-  first = np.array([f for f, _ in regions], np.int64)
-  count = np.array([c for _, c in regions], np.int64)
-  owner = hashed.owners(raw, n)
-  home = np.empty(len(raw), np.int64)
-  for i, c in enumerate(count):
-    home[member == i] = hashed.homes(raw[member == i], int(c))
-  order = np.lexsort((raw.view(np.uint64), member))
-  free = np.ones((n, stack.rows_per_shard), bool)
-  slot = np.full(len(raw), -1, np.int64)
-  slot[order] = _hashed_numba.rehome(
-    owner[order], home[order], member[order], first, count, free
-  )
+  owner, slot = held_slots(stack, n, member, raw)
   if (slot < 0).any():
     table = stack.tables[int(member[slot < 0][0])].name
     raise ValueError(
