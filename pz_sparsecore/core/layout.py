@@ -35,6 +35,7 @@ All functions here return new specs; the arguments are never mutated.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -801,6 +802,115 @@ def split_groups_by_memory_limit(
         split.append([name])
     parts.extend(split)
   return parts
+
+
+def with_batch_sizes(
+  feature_specs: Any,
+  sizes: Sequence[int],
+  global_device_count: int,
+  num_sc_per_device: int,
+) -> Any:
+  """Prepared `feature_specs` for another batch: each feature's first sample
+  axis resized to its entry of `sizes` (leaf order, global samples).
+
+  The stacks keep their tables and layout; the sample side moves: each
+  stack's features get consecutive sample offsets in their order
+  (`row_offset`) and the stack's `total_sample_count` is their sum.
+  `input_shape`'s first size scales with the batch (it is informative).
+  A stack whose samples shrink keeps its limits; one whose samples grow
+  `k`-fold gets `ceil(k)` times its limits and buffer size (each
+  SparseCore has that many times the samples: the worst case scales so),
+  distinct ids at most a shard's rows, the buffer at most the theoretical
+  maximum. Example: features `a` and `b` of one stack, 64 samples each,
+  resized to 16: `b`'s samples start at 16 instead of 64, the stack holds
+  32, its limits unchanged.
+
+  Args:
+    feature_specs: Specs prepared (`prepare_feature_specs_for_training`).
+    sizes: The new first-axis size of every feature.
+    global_device_count: Devices of the topology (for the buffer bound).
+    num_sc_per_device: SparseCores per device.
+
+  Returns:
+    New prepared specs of the same structure.
+
+  Raises:
+    ValueError: If `sizes` does not have one positive size per feature.
+  """
+  leaves, treedef = jax.tree.flatten(feature_specs)
+  sizes = [int(x) for x in sizes]
+  if len(sizes) != len(leaves) or min(sizes, default=1) < 1:
+    raise ValueError(
+      f"{len(leaves)} features need as many positive batch sizes, got {sizes}"
+    )
+  resized = []
+  for spec, size in zip(leaves, sizes, strict=True):
+    old = spec.output_shape[0]
+    shape = list(spec.input_shape)
+    if shape and shape[0] is not None and shape[0] % old == 0:
+      shape[0] = shape[0] // old * size
+    resized.append(
+      spec.replace(
+        input_shape=tuple(shape),
+        output_shape=(size, *spec.output_shape[1:]),
+      )
+    )
+  by_stack: dict[str, list[int]] = collections.defaultdict(list)
+  for i, spec in enumerate(leaves):
+    by_stack[spec.table_spec.setting_in_stack.stack_name].append(i)
+  totals = {}
+  for name, members in by_stack.items():
+    start = 0
+    order = sorted(
+      members,
+      key=lambda i: (
+        (leaves[i].id_transformation or FeatureIdTransformation()).row_offset
+      ),
+    )
+    for i in order:
+      transform = resized[i].id_transformation
+      if transform is not None:
+        resized[i] = resized[i].replace(
+          id_transformation=dataclasses.replace(transform, row_offset=start)
+        )
+      start += resized[i].sample_count
+    totals[name] = start
+  out = []
+  for spec in resized:
+    table = spec.table_spec
+    stacked = _grown_limits(
+      table.stacked_table_spec,
+      totals[table.setting_in_stack.stack_name],
+      global_device_count,
+      num_sc_per_device,
+    )
+    out.append(
+      spec.replace(table_spec=table.replace(stacked_table_spec=stacked))
+    )
+  return jax.tree.unflatten(treedef, out)
+
+
+def _grown_limits(
+  stacked: StackedTableSpec, samples: int, g: int, s: int
+) -> StackedTableSpec:
+  """`stacked` for `samples` samples (`with_batch_sizes`' limits rule)."""
+  k = -(-samples // stacked.total_sample_count)
+  if k <= 1:
+    return stacked.replace(total_sample_count=samples)
+  ids = stacked.max_ids_per_partition * k
+  size = stacked.suggested_coo_buffer_size_per_device
+  if size is not None:
+    size = min(size * k, compute_theoretical_max_coo_buffer_size(ids, g, s))
+  return stacked.replace(
+    total_sample_count=samples,
+    max_ids_per_partition=ids,
+    max_unique_ids_per_partition=min(
+      stacked.max_unique_ids_per_partition * k,
+      max(stacked.stack_vocab_size // num_shards(g, s), 1),
+      ids,
+    ),
+    suggested_coo_buffer_size_per_device=size,
+  )
 
 
 def prepare_feature_specs_for_training(

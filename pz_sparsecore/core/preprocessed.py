@@ -24,6 +24,23 @@ class SparseDenseMatmulInput(NamedTuple):
   lhs_gains: Mapping[str, Any]
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+  """The batch of buffers preprocessed for another sample count than the
+  feature specs' (`SparseCoreEmbed.preprocess` of any batch size).
+
+  Per feature (the plan's leaf order), global sizes of its first sample
+  axis: `padded` is the bucket the buffers were built for (the specs'
+  batch with this size: `nn.batching`), `samples` what the layer's call
+  returns (the real samples, or `padded` when the padding is kept).
+  Example: a layer specified for 4,096 samples given 1,000 on 8 shards:
+  `padded=(1024,)`, `samples=(1000,)`.
+  """
+
+  samples: tuple[int, ...]
+  padded: tuple[int, ...]
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PreprocessedInput:
@@ -53,6 +70,8 @@ class PreprocessedInput:
       device, by their place in the partition (`lhs_embedding_ids` holds
       that place until the ids are resolved to rows: `device.hashed`).
       Resolved buffers have none.
+    batch: None for buffers of the specs' batch; else the `BatchShape` of
+      a batch of another size (static: each one compiles the call once).
   """
 
   lhs_row_pointers: dict[str, Any]
@@ -62,6 +81,9 @@ class PreprocessedInput:
   num_minibatches: Any = None
   sample_order: Any = None
   hashed_ids: Any = None
+  batch: BatchShape | None = dataclasses.field(
+    default=None, metadata=dict(static=True)
+  )
 
   @property
   def sparse_dense_matmul_input(self) -> SparseDenseMatmulInput:

@@ -278,6 +278,84 @@ def to_ragged(name: str, leaf: Any, what: str) -> Ragged:
   return Ragged(array.reshape(-1), np.arange(batch + 1, dtype=np.int64) * k)
 
 
+def count_rows(name: str, leaf: Any, what: str = "ids") -> int:
+  """The rows (samples) of one feature's batch in any accepted form.
+
+  Raises:
+    ValueError: Naming the feature, for a leaf in no accepted form.
+  """
+  if isinstance(leaf, tuple):
+    return _from_tuple(name, leaf, what).num_rows
+  for reader in LEAF_FORMATS:
+    if reader.is_leaf(leaf):
+      return int(leaf.shape[0])
+  if isinstance(leaf, list):
+    return len(leaf)
+  if isinstance(leaf, np.ndarray) and leaf.ndim >= 1:
+    return int(leaf.shape[0])
+  return to_ragged(name, leaf, what).num_rows
+
+
+def _empty_row(rows: Any) -> np.ndarray:
+  """An empty row like the first of `rows` (int64 if there is none)."""
+  first = np.asarray(rows[0]) if len(rows) else np.zeros(0, np.int64)
+  return first.reshape(-1)[:0]
+
+
+def _padded_leaf(name: str, leaf: Any, extra: int, what: str) -> Any:
+  """`leaf` with `extra` empty rows after its own, in a form it keeps
+  (rows of any dtype stay rows: raw ids may be strings)."""
+  if isinstance(leaf, tuple):
+    ragged = _from_tuple(name, leaf, what)
+    end = np.full(extra, ragged.splits[-1], np.int64)
+    return (ragged.values, np.concatenate([ragged.splits, end]))
+  if isinstance(leaf, list):
+    return leaf + [_empty_row(leaf)] * extra
+  if isinstance(leaf, np.ndarray) and leaf.dtype == object and leaf.ndim == 1:
+    tail = np.empty(extra, object)
+    tail[:] = [_empty_row(leaf)] * extra
+    return np.concatenate([leaf, tail])
+  if isinstance(leaf, np.ndarray) and leaf.ndim == 2:
+    if leaf.dtype == object:
+      leaf = _dense_objects(name, leaf, what)
+    if leaf.dtype.kind not in "iuf":
+      return _padded_leaf(name, list(leaf), extra, what)
+    ragged = to_ragged(name, leaf, what)
+  else:
+    ragged = to_ragged(name, leaf, what)
+  return _padded_leaf(name, (ragged.values, ragged.splits), extra, what)
+
+
+def pad_rows(name: str, ids: Any, weights: Any, rows: int) -> tuple[Any, Any]:
+  """One feature's ids and weights with empty rows appended up to `rows`
+  (padding samples: they look up nothing).
+
+  Example: dense ids `[[3, 4], [5, 6]]` padded to 4 rows become
+  `(values=[3, 4, 5, 6], row_splits=[0, 2, 4, 4, 4])`.
+
+  Args:
+    name: The feature (for errors).
+    ids: Its batch, in any accepted form.
+    weights: Its weights, or None.
+    rows: The rows wanted (at least the batch's).
+
+  Returns:
+    `(ids, weights)` holding `rows` rows.
+
+  Raises:
+    ValueError: As the conversion, naming the feature.
+  """
+  for reader in LEAF_FORMATS:
+    if reader.is_leaf(ids):
+      ids, weights = reader.to_rows(name, ids, weights)
+  extra = rows - count_rows(name, ids)
+  if extra <= 0:
+    return ids, weights
+  if weights is not None:
+    weights = _padded_leaf(name, weights, extra, "weights")
+  return _padded_leaf(name, ids, extra, "ids"), weights
+
+
 def _sample_of(splits: np.ndarray, index: int) -> int:
   return int(np.searchsorted(splits, index, side="right")) - 1
 

@@ -54,6 +54,7 @@ from pz_sparsecore.host.preprocess import (
   preprocess_for_plan,
 )
 from pz_sparsecore.nn import axis_mapping as axis_mapping_lib
+from pz_sparsecore.nn import batching
 from pz_sparsecore.nn.probe import ActivationProbe, zero_probes
 from pz_sparsecore.nn.tables import (
   ROW_AXIS,
@@ -768,12 +769,19 @@ class SparseCoreEmbed(pz.nn.Layer):
     allow_id_dropping: bool = False,
     enable_minibatching: bool = False,
     all_reduce: Any = None,
+    keep_padding: bool = False,
   ) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
     """Preprocesses this process's local batch into device arrays.
 
     A feature with several sample axes (e.g. `("batch", "seq")`) takes a
     dense array of shape `[*sample_dims]` (one id per sample) or
     `[*sample_dims, k]`; it is flattened to `[prod(sample_dims), k]`.
+
+    The batch may have any number of samples: another size than the
+    specs' is padded to its bucket (powers of two; `nn.batching` gives the
+    rule) and the call on the buffers returns the real samples only. Each
+    bucket's buffers have their own shapes, and each distinct sample count
+    compiles the call once (with `keep_padding`, once per bucket).
 
     Args:
       features: Pytree of id arrays, structured like the feature specs.
@@ -786,6 +794,9 @@ class SparseCoreEmbed(pz.nn.Layer):
       all_reduce: With minibatching over several processes, how they agree
         on the split (`minibatching.AllReduce`); None uses JAX's
         collectives.
+      keep_padding: For a batch of another size than the specs', the call
+        returns its bucket's samples (padding samples read zeros) instead
+        of the real ones: one compilation per bucket, e.g. for serving.
 
     Returns:
       `(inputs, stats)`: buffers as global arrays laid out for the mesh, and
@@ -801,9 +812,12 @@ class SparseCoreEmbed(pz.nn.Layer):
     if weights is not None:
       weights = _flatten_samples(self.config, weights, "weights")
     local = local_device_count(topo)
+    features, weights, batch = batching.pad_batch(
+      self.config, features, weights, local, keep_padding
+    )
     try:
       inputs, stats = preprocess_for_plan(
-        self.config.plan,
+        batching.config_for(self.config, batch).plan,
         features,
         weights,
         local,
@@ -816,6 +830,8 @@ class SparseCoreEmbed(pz.nn.Layer):
       _report_stats(self.config, e.stats)
       raise
     _report_stats(self.config, stats)
+    if batch is not None:
+      inputs = dataclasses.replace(inputs, batch=batch)
     sharding = topo.sharding(1)
     if jax.process_count() == 1:
       # The local batch is the global one: one batched transfer of every
@@ -841,7 +857,7 @@ class SparseCoreEmbed(pz.nn.Layer):
       **side_inputs: Penzai side inputs (ignored), and `validate=True` to
         check the buffers' contents first (see `validate`).
     """
-    config = self.config
+    config = self.config_of(inputs)
     check_inputs(config, inputs)
     if side_inputs.get("validate", False):
       self.validate(inputs)
@@ -854,8 +870,8 @@ class SparseCoreEmbed(pz.nn.Layer):
       acts = self.activation_probe.observe(acts, inputs)
     out = {}
     mesh = config.topology.mesh
-    for feature, axes in zip(
-      config.plan.features.values(), config.feature_axes, strict=True
+    for i, (feature, axes) in enumerate(
+      zip(config.plan.features.values(), config.feature_axes, strict=True)
     ):
       value = acts[feature.name].reshape(feature.output_shape)
       value = value.astype(feature.spec.table_spec.activation_dtype)
@@ -863,6 +879,9 @@ class SparseCoreEmbed(pz.nn.Layer):
       value = jax.lax.with_sharding_constraint(
         value, config.axis_mapping.sharding(mesh, names)
       )
+      # The bucket's samples are laid out as the specs' batch; the real
+      # ones (their count need not divide over the mesh) are cut after.
+      value = batching.real_samples(value, inputs.batch, i)
       out[feature.name] = pz.nx.wrap(value).tag(*names)
     return out
 
@@ -932,7 +951,7 @@ class SparseCoreEmbed(pz.nn.Layer):
       ValueError: Naming the feature, device, partition, buffer, position
         and value of the first bad entry, or if `inputs` are traced.
     """
-    config = self.config
+    config = batching.config_of_inputs(self.config, inputs)
     check_inputs(config, inputs)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(inputs)):
       raise ValueError(
@@ -964,7 +983,7 @@ class SparseCoreEmbed(pz.nn.Layer):
         activations (`NamedArray` as returned by `__call__`, or an array).
       step: The training step, for step-dependent optimizers.
     """
-    config = self.config
+    config = batching.config_of_inputs(self.config, inputs)
     check_inputs(config, inputs)
     if inputs.hashed_ids is not None:
       raise ValueError(
@@ -979,7 +998,7 @@ class SparseCoreEmbed(pz.nn.Layer):
       table_arrays(self),
       slot_arrays(self),
       inputs,
-      _flat_grads(config, activation_grads),
+      _flat_grads(config, activation_grads, inputs.batch),
       step,
     )
     assign_arrays(self, tables, slots)
@@ -991,14 +1010,13 @@ class SparseCoreEmbed(pz.nn.Layer):
 
   def plan_of(self, activations: Mapping[str, Any]) -> plan_lib.Plan:
     """The plan of the call that gave these (flat) activations."""
-    del activations
-    return self.config.plan
+    return batching.config_of_activations(self.config, activations).plan
 
   def config_of(self, inputs: Any) -> EmbedConfig:
     """The config of the call these buffers are for (`fits` checks them
-    against it): the layer's own."""
-    del inputs
-    return self.config
+    against it): the layer's own, or for buffers of another batch size
+    (`PreprocessedInput.batch`) its plan resized to their bucket."""
+    return batching.config_of_inputs(self.config, inputs)
 
   def __treescope_repr__(self, path: str | None, subtree_renderer: Any):
     from pz_sparsecore.viz import treescope as _treescope
@@ -1080,7 +1098,7 @@ def _flatten_samples(config: EmbedConfig, tree: Any, what: str) -> Any:
           f"axes {axes}"
         )
       lead = int(np.prod(leaf.shape[: len(axes)]))
-      leaf = leaf.reshape(lead, -1)
+      leaf = leaf.reshape(lead, int(np.prod(leaf.shape[len(axes) :])))
     out.append(leaf)
   return jax.tree.unflatten(treedef, out)
 
@@ -1143,6 +1161,8 @@ def check_inputs(config: EmbedConfig, inputs: Any) -> None:
           "per device)"
         )
       continue
+    if field.name == "batch":
+      continue  # Static: it chose `config`.
     if field.name == "hashed_ids" and got is None:
       continue  # Resolved (or no hashed table).
     if field.name == "sample_order":
@@ -1197,7 +1217,7 @@ def fits(embed: SparseCoreEmbed, inputs: Any) -> bool:
 
 
 def _flat_grads(
-  config: EmbedConfig, grads: Mapping[str, Any]
+  config: EmbedConfig, grads: Mapping[str, Any], batch: Any = None
 ) -> dict[str, jax.Array]:
   """Activation gradients as flat `[samples, dim]` float32 arrays.
 
@@ -1213,18 +1233,23 @@ def _flat_grads(
       f"features {unknown}; its features are {list(features)}"
     )
   out = {}
-  for feature, axes in zip(features.values(), config.feature_axes, strict=True):
+  for i, (feature, axes) in enumerate(
+    zip(features.values(), config.feature_axes, strict=True)
+  ):
     if feature.name not in grads:
       raise ValueError(f"no activation gradient for feature {feature.name!r}")
     g = _activation_grad(
       feature.name, grads[feature.name], (*axes, config.embedding_axis)
     )
-    if tuple(g.shape) != tuple(feature.output_shape):
+    shape = tuple(feature.output_shape)
+    if batch is not None:
+      shape = (batch.samples[i], *shape[1:])
+    if tuple(g.shape) != shape:
       raise ValueError(
         f"feature {feature.name!r}: activation gradient of shape "
-        f"{tuple(g.shape)}, expected {tuple(feature.output_shape)} (the "
-        "shape of its activations)"
+        f"{tuple(g.shape)}, expected {shape} (the shape of its activations)"
       )
+    g = batching.padded_gradient(g, batch, i)
     out[feature.name] = g.astype(jnp.float32).reshape(
       feature.spec.sample_count, feature.dim
     )

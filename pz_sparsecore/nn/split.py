@@ -138,7 +138,7 @@ def value_and_grad(
   def wrapped(rest: Any, dense: Any, *args: Any, **kwargs: Any):
     embeds = find_embeds(rest)
     probes = probe_templates(
-      embeds, lambda p: run(rest, dense, p, args, kwargs)[1]
+      embeds, lambda p: run(rest, dense, p, args, kwargs)[1], (args, kwargs)
     )
 
     def compute(dense, probes):

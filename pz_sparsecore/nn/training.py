@@ -76,6 +76,7 @@ from pz_sparsecore.host.preprocess import (
   SparseDenseMatmulInputStats,
 )
 from pz_sparsecore.nn import _touched as touched_lib
+from pz_sparsecore.nn import batching
 from pz_sparsecore.nn.embed import (
   SparseCoreEmbed,
   find_embeds,
@@ -201,16 +202,22 @@ def with_probes(
 
 
 def probe_templates(
-  embeds: list[SparseCoreEmbed], run: Callable[[tuple[Any, ...]], Any]
+  embeds: list[SparseCoreEmbed],
+  run: Callable[[tuple[Any, ...]], Any],
+  arguments: Any = None,
 ) -> tuple[dict[str, jax.Array], ...]:
   """One zero probe per feature of each layer, shaped like its activations.
 
-  A layer with fixed shapes (`SparseCoreEmbed`) takes them from its plan;
-  when some layer's shapes depend on the call (`SparseCoreLookup`), `run`
-  (the loss evaluated with the given probes attached, returning the
-  attached probes) is traced once, abstractly, with recording probes.
+  A layer with fixed shapes (`SparseCoreEmbed` on buffers of its specs'
+  batch) takes them from its plan; when some layer's shapes depend on the
+  call (`SparseCoreLookup`, or `arguments` holding buffers of another
+  batch size), `run` (the loss evaluated with the given probes attached,
+  returning the attached probes) is traced once, abstractly, with
+  recording probes.
   """
   fixed = [e.fixed_probes() for e in embeds]
+  if batching.has_batch(arguments):
+    fixed = [None] * len(embeds)
   if all(p is not None for p in fixed):
     return tuple(fixed)
 
@@ -273,7 +280,7 @@ def _loss_and_grads(
     )
 
   probes = probe_templates(
-    embeds, lambda probes: run(variables.dense, probes)[-1]
+    embeds, lambda probes: run(variables.dense, probes)[-1], kwargs
   )
   grad_fn = jax.grad(compute, argnums=(0, 1), has_aux=True)
   (g_dense, g_probes), out = grad_fn(variables.dense, probes)
