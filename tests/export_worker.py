@@ -185,6 +185,18 @@ def serve(devices: int, exports: str, batches: str, out: str) -> None:
     if dtype == "float32":
       for name, rows in pzsc.logical_tables(model.embed).items():
         results[f"table_{name}"] = rows
+      # Requests of other sizes than the training batch: one sample at a
+      # time, and 5 samples.
+      features, _ = load_batches(batches)[0]
+      results["float32_ones"] = np.concatenate(
+        [
+          logits_of(model, {k: v[i : i + 1] for k, v in features.items()})
+          for i in range(3)
+        ]
+      )
+      results["float32_five"] = logits_of(
+        model, {k: v[:5] for k, v in features.items()}
+      )
   np.savez(out, **results)
 
 

@@ -201,6 +201,18 @@ def test_float32_matches_the_trained_model(trained, served):
   np.testing.assert_allclose(served[1]["float32"], want, rtol=0, atol=1e-6)
 
 
+def test_served_requests_of_any_size(trained, served):
+  """Batches of 1 and of 5 samples (the export's specs say 64) give the
+  trained model's logits of those samples."""
+  want = trained["logits"]["trained"]
+  for devices in (1, 8):
+    got = served[devices]
+    assert got["float32_ones"].shape[0] == 3
+    assert got["float32_five"].shape[0] == 5
+    np.testing.assert_allclose(got["float32_ones"], want[:3], rtol=1e-6)
+    np.testing.assert_allclose(got["float32_five"], want[:5], rtol=1e-6)
+
+
 def test_bfloat16_matches_the_tables_cast_to_bfloat16(trained, served):
   want = trained["logits"]["bfloat16"]
   np.testing.assert_array_equal(served[8]["bfloat16"], want)

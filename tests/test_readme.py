@@ -34,7 +34,7 @@ HASHED = DOCS / "hashed_tables.md"
 RUN_HERE = {
   README: 1,
   GETTING_STARTED: 3,
-  CONCEPTS: 4,
+  CONCEPTS: 5,
   MULTIHOST: 2,
   GPU: 1,
   COMPAT: 2,
