@@ -100,6 +100,12 @@ def test_losses_and_tables_match_one_process(runs, run):
     a["accumulator"], b["accumulator"], rtol=1e-5, atol=1e-6
   )
   assert not np.allclose(a["losses"][0], a["losses"][-1])
+  # Then a short batch of 22 samples, 11 from each process.
+  np.testing.assert_allclose(a["short_loss"], b["short_loss"], rtol=1e-5)
+  np.testing.assert_allclose(
+    a["short_table"], b["short_table"], rtol=1e-5, atol=1e-6
+  )
+  assert not np.allclose(a["short_table"], a["table"])
 
 
 def test_fdo_merges_both_processes(runs):
