@@ -42,23 +42,30 @@ import subprocess
 import sys
 import time
 
-import _embeds
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-from penzai import pz
+# 8 virtual CPU devices, before anything imports jax (importing the library
+# already creates the CPU backend).
+if "xla_force_host_platform_device_count" not in os.environ.get(
+  "XLA_FLAGS", ""
+):
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8"
+  ).strip()
 
-import pz_sparsecore as pzsc
-from pz_sparsecore.device import routing
-from pz_sparsecore.nn.tables import (
+import _embeds  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from penzai import pz  # noqa: E402
+
+import pz_sparsecore as pzsc  # noqa: E402
+from pz_sparsecore.device import routing  # noqa: E402
+from pz_sparsecore.nn.tables import (  # noqa: E402
   assign_arrays,
   slot_arrays,
   table_arrays,
 )
-
-# 8 virtual CPU devices (before the first use of a device).
-jax.config.update("jax_num_cpu_devices", 8)
 
 BATCH, IDS, DIM, HIDDEN, OUT = 2048, 8, 32, 64, 16
 WARMUP, ROUNDS = 2, 15

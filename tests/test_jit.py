@@ -9,6 +9,8 @@ buffers (in place) and compiles with no table-sized operation.
 from __future__ import annotations
 
 import functools
+import gc
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -230,3 +232,57 @@ def test_optax_state_in_a_variable_is_updated():
     u, s_ref = opt.update(2 * w_ref, s_ref)
     w_ref = optax.apply_updates(w_ref, u)
   np.testing.assert_allclose(w.value, w_ref, rtol=1e-6)
+
+
+def test_values_replaced_between_calls_are_read_and_not_kept():
+  """A forward reads each variable's current value (the fast path's leaves
+  are remembered per value object): values assigned between calls are
+  used, and a replaced table-sized value is not kept alive by the jitted
+  function; a value of another structure retraces."""
+  small = pz.Parameter(value=jnp.full((3,), 2.0), label="small")
+  large = pz.Parameter(value=jnp.ones((2**16 + 1,)), label="large")
+  fn = pzsc.variable_jit(lambda a, b, x: a.value.sum() * b.value[:4] + x)
+  x = jnp.arange(4.0)
+  np.testing.assert_array_equal(fn(small, large, x), 6.0 + np.arange(4.0))
+  np.testing.assert_array_equal(fn(small, large, x), 6.0 + np.arange(4.0))
+  old_small, old_large = weakref.ref(small.value), weakref.ref(large.value)
+  small.value = jnp.full((3,), 3.0)
+  large.value = jnp.full((2**16 + 1,), 2.0)
+  gc.collect()
+  assert old_large() is None  # Held weakly: freed once replaced.
+  np.testing.assert_array_equal(fn(small, large, x), 18.0 + np.arange(4.0))
+  gc.collect()
+  assert old_small() is None  # Replaced in the cache by the new value.
+  # Another structure (a pair instead of an array): traced again.
+  small.value = (jnp.ones(3), jnp.ones(3))
+  pair = pzsc.variable_jit(lambda a, x: a.value[0].sum() + a.value[1].sum() + x)
+  np.testing.assert_array_equal(pair(small, x), 6.0 + np.arange(4.0))
+  small.value = jnp.full((3,), 1.0)
+  np.testing.assert_array_equal(fn(small, large, x), 6.0 + np.arange(4.0))
+
+
+def test_donated_variables_are_updated_in_place_every_call():
+  """The fast path donates the written variables' leaves: a KV-cache-like
+  update writes into the same buffer call after call, the read variable
+  stays untouched, and the result follows a NumPy reference."""
+  cache = pz.StateVariable(value=jnp.zeros((4, 8)), label="cache")
+  index = pz.StateVariable(value=jnp.zeros((), jnp.int32), label="index")
+  row = pz.Parameter(value=jnp.arange(8.0), label="row")
+
+  @functools.partial(pzsc.variable_jit, donate_variables=True)
+  def write(cache, index, row, scale):
+    cache.value = cache.value.at[index.value].set(row.value * scale)
+    index.value = index.value + 1
+    return cache.value.sum()
+
+  want = np.zeros((4, 8), np.float32)
+  row_value = row.value
+  buffers = set()
+  for i in range(4):
+    total = write(cache, index, row, jnp.float32(i + 1))
+    buffers.add(cache.value.unsafe_buffer_pointer())
+    want[i] = np.arange(8.0) * (i + 1)
+    np.testing.assert_array_equal(np.array(cache.value, copy=True), want)
+    assert float(total) == want.sum() and int(index.value) == i + 1
+  assert row.value is row_value and not row_value.is_deleted()
+  assert len(buffers) == 1  # Donated: the cache was updated in place.

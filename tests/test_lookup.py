@@ -2,6 +2,7 @@
 public API: Penzai's own llamalike transformer converted with one line,
 compared with the dense model it came from."""
 
+import dataclasses
 import functools
 import warnings
 
@@ -16,8 +17,9 @@ from penzai.models.transformer.variants import llamalike_common as ll
 from penzai.toolshed import basic_training, jit_wrapper, sharding_util
 
 import pz_sparsecore as pzsc
-from pz_sparsecore.device import build
+from pz_sparsecore.device import build, routing
 from pz_sparsecore.device.routing import TableGradientError
+from pz_sparsecore.nn.tables import table_arrays
 
 VOCAB = 1000
 
@@ -503,3 +505,170 @@ def test_a_16_bit_lookup_keeps_its_dtype(mesh):
     pzsc.SparseCoreLookup.from_config(
       "c", jax.random.key(7), 77, {"e": 8}, mesh, sgd, activation_dtype="int8"
     )
+
+
+def _hlo(fn, *args) -> str:
+  return jax.jit(fn).lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize(
+  "devices, num_sc, dtype",
+  [(8, 1, jnp.float32), (8, 2, jnp.bfloat16), (1, 4, jnp.float32)],
+)
+def test_a_few_ids_gather_without_the_exchange(devices, num_sc, dtype):
+  """Inference calls of at most N ids read their rows with one psum, no
+  exchange: the rows of a plain gather of the logical table (zeros for an
+  id out of range under jit), bit for bit the exchange's."""
+  mesh = jax.sharding.Mesh(
+    np.array(jax.devices()[:devices]).reshape(-1, 2 if devices > 1 else 1),
+    ("data", "model"),
+  )
+  table = pz.nn.EmbeddingTable.from_config(
+    "emb", jax.random.key(11), 77, {"heads": 2, "proj": 3}, dtype=dtype
+  )
+  sgd = pzsc.SGDOptimizerSpec(learning_rate=0.1)
+  convert = functools.partial(
+    pzsc.SparseCoreLookup.from_lookup,
+    pz.nn.EmbeddingLookup(table),
+    mesh=mesh,
+    optimizer=sgd,
+    num_sc_per_device=num_sc,
+  )
+  lookup, exchanging = convert(), convert(gather_max_samples=0)
+  n = devices * num_sc
+  logical = np.asarray(
+    table.embeddings.value.unwrap("vocabulary", "heads", "proj"), np.float32
+  )
+  order = ("a", "b", "heads", "proj")
+  rng = np.random.default_rng(12)
+  # The first and last rows, a shard boundary, and N samples in all.
+  raw = np.concatenate([[0, 76, 8], rng.integers(0, 77, n - 3)])[:n]
+  ids = pz.nx.wrap(jnp.asarray(raw.reshape(-1, 1), jnp.int32)).tag("a", "b")
+  assert lookup.config.gathers(n) and not exchanging.config.gathers(n)
+  assert not lookup.config.gathers(n + 1)
+  for fn in (lambda m, t: m(t), pzsc.variable_jit(lambda m, t: m(t))):
+    got = np.asarray(fn(lookup, ids).unwrap(*order), np.float32)
+    np.testing.assert_array_equal(got, logical[raw.reshape(-1, 1)])
+    np.testing.assert_array_equal(
+      got, np.asarray(fn(exchanging, ids).unwrap(*order), np.float32)
+    )
+  # Under jit an id out of range reads zeros, as through the exchange.
+  bad = pz.nx.wrap(jnp.asarray([[5], [77], [-1]], jnp.int32)).tag("a", "b")
+  want = np.zeros((3, 1, 2, 3), np.float32)
+  want[0] = logical[5]
+  for layer in (lookup, exchanging):
+    got = pzsc.variable_jit(lambda m, t: m(t))(layer, bad)
+    np.testing.assert_array_equal(
+      np.asarray(got.unwrap(*order), np.float32), want
+    )
+  if devices > 1:
+    # The compiled call: one all-reduce and no all-to-all; the exchange's
+    # call has its all-to-alls.
+    stateless, frozen = pz.unbind_variables(lookup, freeze=True)
+    hlo = _hlo(lambda v, t: pz.bind_variables(stateless, v)(t), frozen, ids)
+    assert "all-to-all" not in hlo and "all-reduce" in hlo
+    stateless, frozen = pz.unbind_variables(exchanging, freeze=True)
+    hlo = _hlo(lambda v, t: pz.bind_variables(stateless, v)(t), frozen, ids)
+    assert "all-to-all" in hlo
+
+
+def test_the_gather_rule_never_drops_ids(mesh):
+  """With `max_ids_per_partition`, a call gathers only where the exchange
+  could drop nothing (its samples per SparseCore within the limit); a bad
+  option is refused with the fix."""
+  dense = pz.nn.EmbeddingLookup(
+    pz.nn.EmbeddingTable.from_config("emb", jax.random.key(3), 64, {"e": 4})
+  )
+  sgd = pzsc.SGDOptimizerSpec(learning_rate=0.1)
+  limited = pzsc.SparseCoreLookup.from_lookup(
+    dense,
+    mesh=mesh,
+    optimizer=sgd,
+    max_ids_per_partition=1,
+    gather_max_samples=64,
+  )
+  assert limited.config.gathers(8) and not limited.config.gathers(9)
+  wide = pzsc.SparseCoreLookup.from_lookup(
+    dense, mesh=mesh, optimizer=sgd, gather_max_samples=64
+  )
+  assert wide.config.gathers(64) and not wide.config.gathers(65)
+  ids = pz.nx.wrap(jnp.arange(64, dtype=jnp.int32).reshape(8, 8)).tag("a", "b")
+  np.testing.assert_array_equal(
+    wide(ids).unwrap("a", "b", "e"), dense(ids).unwrap("a", "b", "e")
+  )
+  with pytest.raises(ValueError, match=r"gather_max_samples must be"):
+    pzsc.SparseCoreLookup.from_lookup(
+      dense, mesh=mesh, optimizer=sgd, gather_max_samples=-1
+    )
+
+
+def test_a_few_ids_still_train_and_refuse_a_table_gradient(mesh):
+  """A training call of 2 ids takes the exchange (its buffers feed the
+  fused update): one SGD step moves exactly the looked-up rows by
+  `-lr * their gradient`; `jax.grad` through the table of a gathering
+  call raises `TableGradientError`."""
+  lookup = pzsc.SparseCoreLookup.from_config(
+    "emb",
+    jax.random.key(2),
+    40,
+    {"e": 4},
+    mesh,
+    pzsc.SGDOptimizerSpec(learning_rate=0.5),
+  )
+  (before,) = pzsc.logical_tables(lookup).values()
+  weights = np.arange(1.0, 5.0, dtype=np.float32)
+  ids = pz.nx.wrap(jnp.asarray([[9], [9]], jnp.int32)).tag("batch", "seq")
+
+  def loss_fn(*, model, state, rng, tokens):
+    del rng
+    acts = model(tokens).unwrap("batch", "seq", "e")
+    return (acts * weights).sum(), state, {}
+
+  trainer = pzsc.SparseCoreTrainer.build(
+    jax.random.key(0), lookup, optax.sgd(0.1), loss_fn
+  )
+  trainer.step(tokens=ids)
+  (after,) = pzsc.logical_tables(trainer.model).values()
+  want = before.copy()
+  want[9] -= 0.5 * 2 * weights  # two samples read row 9
+  np.testing.assert_allclose(after, want, rtol=1e-6)
+
+  stateless, params = pz.unbind_params(lookup, freeze=True)
+  with pytest.raises(TableGradientError):
+    jax.grad(
+      lambda p: (
+        pz.bind_variables(stateless, p)(ids).unwrap("batch", "seq", "e").sum()
+      )
+    )(params)
+
+
+@pytest.mark.parametrize("sharding_axis", [None, "model"])
+def test_gather_lookup_on_any_placement(mesh, sharding_axis):
+  """`routing.gather_lookup` against a plain gather, for a table sharded
+  over the whole mesh, over one of its axes (replicas over the other), and
+  replicated on every device (the `replicated` placement)."""
+  dense = pz.nn.EmbeddingLookup(
+    pz.nn.EmbeddingTable.from_config("emb", jax.random.key(8), 50, {"e": 6})
+  )
+  lookup = pzsc.SparseCoreLookup.from_lookup(
+    dense,
+    mesh=mesh,
+    optimizer=pzsc.SGDOptimizerSpec(learning_rate=0.1),
+    sharding_axis=sharding_axis,
+  )
+  config = lookup.config
+  logical = np.asarray(dense.table.embeddings.value.unwrap("vocabulary", "e"))
+  ids = jnp.asarray([49, 0, 3, 17, 50, -2], jnp.int32)
+  want = np.where((np.asarray(ids) >= 0)[:, None], logical[ids % 50], 0.0)
+  want[4] = 0.0  # 50 is out of range
+  (table,) = table_arrays(lookup).values()
+  plan = config.plan_for(ids.size)
+  got = routing.gather_lookup(plan, config.topology, table, ids, 50)
+  np.testing.assert_array_equal(np.asarray(got)[:, :6], want)
+  stack = plan.stacks[0].name
+  replicated = dataclasses.replace(
+    config.topology, replicated=frozenset({stack})
+  )
+  whole = jax.device_put(table, replicated.table_sharding(stack))
+  got = routing.gather_lookup(plan, replicated, whole, ids, 50)
+  np.testing.assert_array_equal(np.asarray(got)[:, :6], want)

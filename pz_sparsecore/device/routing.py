@@ -22,7 +22,10 @@ interaction) gets the group array back without a copy. For the fused
 update the mode's `owner_operands` bring the gradient and buffers to the
 owner, whose FFI backward sums every referenced row's gradient over all of
 them and applies the optimizer once to the row and its slots, in place.
-The full table never leaves its devices. Minibatched buffers run the same
+The full table never leaves its devices. A few ids of one table (a
+decoding step's) may skip the buffers and the exchange: `gather_lookup`
+sends the ids to every device and sums each owner's rows with one `psum`.
+Minibatched buffers run the same
 per-device functions once per minibatch (`minibatching`); `guard` reads
 what undoing an update needs.
 """
@@ -40,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from pz_sparsecore.core import layout
 from pz_sparsecore.core.plan import (
   FeaturePlan,
   Plan,
@@ -424,10 +428,9 @@ def _lookup(static, tables, inputs):
   return _lookup_impl(static, tables, inputs)
 
 
-@functools.partial(_lookup.defjvp, symbolic_zeros=True)
-def _lookup_jvp(static, primals, tangents):
-  tables, inputs = primals
-  for tangent in jax.tree.leaves(tangents[0]):
+def _refuse_table_tangents(tangents: Any) -> None:
+  """Raises `TableGradientError` if a table is differentiated."""
+  for tangent in jax.tree.leaves(tangents):
     if not isinstance(tangent, jax.custom_derivatives.SymbolicZero):
       raise TableGradientError(
         "SparseCoreEmbed and SparseCoreLookup tables never take a dense "
@@ -441,6 +444,12 @@ def _lookup_jvp(static, primals, tangents):
         "place; do not pass table parameters to jax.grad or an optax "
         "optimizer"
       )
+
+
+@functools.partial(_lookup.defjvp, symbolic_zeros=True)
+def _lookup_jvp(static, primals, tangents):
+  tables, inputs = primals
+  _refuse_table_tangents(tangents[0])
   out = _lookup_impl(static, tables, inputs)
   return out, jax.tree.map(jnp.zeros_like, out)
 
@@ -468,6 +477,93 @@ def lookup(
   """
   check_plan(plan, topology)
   return _lookup((plan, topology), tables, inputs)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _gather_impl(static, table, ids):
+  plan, topo, vocab_size = static
+  stack = plan.stacks[0]
+  setting = stack.tables[0].setting_in_stack
+  n, v = topo.num_shards, stack.rows_per_shard
+  replicated = topo.is_replicated(stack.name)
+  held = (n if replicated else topo.num_sc_per_device) * v
+
+  def body(table, ids):
+    rows = layout.compute_physical_row_ids(
+      n, n * v, setting.shard_rotation, setting.row_offset_in_shard, ids
+    )
+    if not replicated:
+      rows = rows - jax.lax.axis_index(topo.axis) * held
+    mine = (ids >= 0) & (ids < vocab_size) & (rows >= 0) & (rows < held)
+    out = table.reshape(held, stack.dim)[jnp.where(mine, rows, 0)]
+    out = jnp.where(mine[:, None], out.astype(jnp.float32), 0.0)
+    return out if replicated else jax.lax.psum(out, topo.axis)
+
+  return jax.shard_map(
+    body,
+    mesh=topo.mesh,
+    in_specs=(topo.table_spec(stack.name), P()),
+    out_specs=P(),
+    check_vma=False,
+  )(table, ids)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _gather(static, table, ids):
+  return _gather_impl(static, table, ids)
+
+
+@functools.partial(_gather.defjvp, symbolic_zeros=True)
+def _gather_jvp(static, primals, tangents):
+  _refuse_table_tangents(tangents[0])
+  out = _gather_impl(static, *primals)
+  return out, jnp.zeros_like(out)
+
+
+def gather_lookup(
+  plan: Plan,
+  topology: Topology,
+  table: jax.Array,
+  ids: jax.Array,
+  vocab_size: int,
+) -> jax.Array:
+  """Rows of one table for a few ids, without the exchange.
+
+  The ids go to every device (they are few); each device reads, from its
+  own shards, the rows of the ids it holds (`layout.compute_physical_row_ids`)
+  and zeros for the others, and one `psum` over the shard axis sums them:
+  every row comes from its one owner, plus zeros, so the activations equal
+  the exchange's (`lookup` with one id of gain 1 per sample). It moves the
+  ids and `G x len(ids) x D` floats (the all-reduce), not a row of the
+  table, and builds no buffers: for a decoding step's handful of ids it
+  skips the exchange's sort, windows and `all_to_all`s; per device it costs
+  O(all the ids), so large batches take `lookup`. Example: 8 shards of 4
+  rows (rotation 0, offset 0), ids `[9, 2]`: id 9 is row 1 of shard 1 and
+  id 2 row 0 of shard 2; each device reads the rows it holds for both
+  ids, zeros for the others, and the psum returns `[row 9, row 2]`.
+
+  Args:
+    plan: A plan of one stack holding one table.
+    topology: Mesh, sharding axis, SparseCores per device.
+    table: The stack's `[N, V_shard, D]` array, laid out as `topology`
+      places it (sharded, or replicated).
+    ids: Integer ids, `[samples]`; ids outside `[0, vocab_size)` read
+      zeros.
+    vocab_size: The table's rows.
+
+  Returns:
+    float32 `[samples, D]`, replicated over the mesh.
+
+  Raises:
+    TableGradientError: If differentiated with respect to the table.
+  """
+  check_plan(plan, topology)
+  if len(plan.stacks) != 1 or len(plan.stacks[0].tables) != 1:
+    raise ValueError(
+      "gather_lookup reads one table; the plan has stacks "
+      f"{[[t.name for t in s.tables] for s in plan.stacks]}"
+    )
+  return _gather((plan, topology, vocab_size), table, ids.astype(jnp.int32))
 
 
 def apply_gradients(

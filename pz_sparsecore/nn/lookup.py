@@ -28,6 +28,15 @@ outside `[0, vocab_size)` are refused with a `ValueError` when the call sees
 concrete ids; under `jit`, such an id looks up a zero vector and takes no
 gradient.
 
+A call of a few ids (at most `gather_max_samples`, by default the shard
+count N: a decoding step's batch) that does not train skips the exchange
+and its buffers: the ids go to every device, each reads the rows it holds
+and one `psum` sums them (`routing.gather_lookup`). Every row still comes
+from its one owner, so the activations are the exchange's; the rule only
+applies where the exchange could drop no id (`max_ids_per_partition` None,
+or at least the call's samples per SparseCore), and `gather_max_samples=0`
+turns it off.
+
 The host path stays for large batches: `lookup.preprocess(ids)` runs the
 numba preprocessor (FDO limits, upstream's byte layout) and the call reads
 those buffers from the side input named by `host_input`
@@ -111,6 +120,8 @@ class LookupConfig(embed_lib.EmbedConfig):
     host_input: The side input that may carry host-preprocessed buffers.
     max_ids_per_partition: Limit on ids one SparseCore sends one shard, or
       None for the worst case of each shape (nothing can be dropped).
+    gather_max_samples: Calls of at most this many samples that do not
+      train skip the exchange (`gathers`); None: the shard count N.
   """
 
   label: str = ""
@@ -119,6 +130,7 @@ class LookupConfig(embed_lib.EmbedConfig):
   vocabulary_axis: str = "vocabulary"
   host_input: str = "sparsecore_inputs"
   max_ids_per_partition: int | None = None
+  gather_max_samples: int | None = None
 
   @property
   def stem(self) -> str:
@@ -160,6 +172,23 @@ class LookupConfig(embed_lib.EmbedConfig):
   def plan_for(self, samples: int) -> plan_lib.Plan:
     """The plan of a call with `samples` samples (padded to N's multiple)."""
     return _plan_for(self, self.padded_samples(samples))
+
+  def gathers(self, samples: int) -> bool:
+    """Whether an inference call of `samples` ids on the device takes
+    `routing.gather_lookup` instead of the exchange: a table of ids in a
+    range, at most `gather_max_samples` samples (None: N), and no id the
+    exchange could drop (one id per sample: none when the samples per
+    SparseCore are within `max_ids_per_partition`)."""
+    most = self.gather_max_samples
+    if most is None:
+      most = self.topology.num_shards
+    limit = self.max_ids_per_partition
+    per_sc = self.padded_samples(samples) // self.topology.num_shards
+    return (
+      not self.is_hashed
+      and samples <= most
+      and (limit is None or per_sc <= limit)
+    )
 
 
 def _stem(label: str) -> str:
@@ -289,6 +318,7 @@ def _make_lookup_config(
   dtypes: tuple[Any, Any],
   ids: str = "range",
   eviction: Any = None,
+  gather_max_samples: int | None = None,
 ) -> LookupConfig:
   if not isinstance(optimizer, OptimizerSpec):
     raise ValueError(
@@ -305,6 +335,16 @@ def _make_lookup_config(
     raise ValueError(
       f"SparseCoreLookup {label!r}: max_ids_per_partition must be positive "
       f"or None, got {max_ids_per_partition!r}"
+    )
+  if gather_max_samples is not None and (
+    isinstance(gather_max_samples, bool)
+    or not isinstance(gather_max_samples, int | np.integer)
+    or gather_max_samples < 0
+  ):
+    raise ValueError(
+      f"SparseCoreLookup {label!r}: gather_max_samples must be an integer "
+      f">= 0 (0: always exchange) or None (the shard count), got "
+      f"{gather_max_samples!r}"
     )
   topology = embed_lib.make_topology(
     mesh, sharding_axis, num_sc_per_device, exchange, axis_name_to_mesh_name
@@ -341,6 +381,9 @@ def _make_lookup_config(
     vocabulary_axis=vocabulary_axis,
     host_input=host_input,
     max_ids_per_partition=max_ids_per_partition,
+    gather_max_samples=None
+    if gather_max_samples is None
+    else int(gather_max_samples),
   )
 
 
@@ -421,6 +464,7 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
     activation_dtype: Any = jnp.float32,
     ids: str = "range",
     eviction: Any = None,
+    gather_max_samples: int | None = None,
   ) -> SparseCoreLookup:
     """Builds the layer and its sharded variables.
 
@@ -467,6 +511,11 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
       eviction: For `ids="hashed"`, what a full window does
         (`TableSpec.eviction`: an `Eviction` or a policy name; None:
         `"lru"`); None for `"range"`.
+      gather_max_samples: Inference calls of at most this many ids (of a
+        range table, none of which the exchange could drop) read their
+        rows with `routing.gather_lookup` (the ids to every device, one
+        `psum`) instead of the exchange; the activations are the same.
+        None: the shard count N (a decoding step's batch); 0: never.
 
     Returns:
       The layer.
@@ -492,6 +541,7 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
       dtypes=(dtype, activation_dtype),
       ids=ids,
       eviction=eviction,
+      gather_max_samples=gather_max_samples,
     )
     tables, slots = embed_lib.make_variables(config, init_base_rng)
     return cls(
@@ -516,6 +566,7 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
     max_ids_per_partition: int | None = None,
     dtype: Any = None,
     activation_dtype: Any = None,
+    gather_max_samples: int | None = None,
   ) -> SparseCoreLookup:
     """Converts a `pz.nn.EmbeddingLookup`, keeping its values, label and
     axis names (a table of ids in a range: `from_config` makes hashed ones).
@@ -535,6 +586,7 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
         float32.
       activation_dtype: The activations' dtype; None: the table's storage
         dtype, as `pz.nn.EmbeddingLookup` returns its table's dtype.
+      gather_max_samples: As `from_config`.
 
     Returns:
       A `SparseCoreLookup` whose table holds the lookup's values, sharded.
@@ -584,6 +636,7 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
       host_input=host_input,
       max_ids_per_partition=max_ids_per_partition,
       dtypes=(dtype, activation_dtype),
+      gather_max_samples=gather_max_samples,
     )
     logical = value.unwrap(vocab_axis, *emb).reshape(named[vocab_axis], -1)
     tables, slots = embed_lib.make_variables(config, jax.random.key(0))
@@ -671,6 +724,20 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
     samples = config.padded_samples(flat.size)
     plan = config.plan_for(flat.size)
     host = side_inputs.get(config.host_input)
+    if (
+      not isinstance(host, PreprocessedInput)
+      and self.activation_probe is None
+      and config.gathers(flat.size)
+    ):
+      # A few ids, not training: no buffers, no exchange (`gathers`).
+      acts = routing.gather_lookup(
+        plan,
+        config.topology,
+        table_arrays(self)[plan.stacks[0].name],
+        flat,
+        config.vocab_size,
+      )
+      return self._named(acts, names, ids.shape)
     if isinstance(host, PreprocessedInput):
       inputs = self._host_inputs(host, samples)
     elif config.is_hashed:
@@ -691,9 +758,13 @@ class SparseCoreLookup(embed_lib.SparseCoreEmbed):
     acts = routing.lookup(plan, config.topology, table_arrays(self), inputs)
     if self.activation_probe is not None:
       acts = self.activation_probe.observe(acts, inputs)
-    value = acts[config.feature][: flat.size, : config.dim]
+    return self._named(acts[config.feature], names, ids.shape)
+
+  def _named(self, acts: jax.Array, names: tuple[str, ...], shape: tuple):
+    """Flat `[>= samples, >= D]` activations as the call's `NamedArray`."""
+    config = self.config
     sizes = [size for _, size in config.embedding_axes]
-    value = value.reshape(*ids.shape, *sizes)
+    value = acts[: math.prod(shape), : config.dim].reshape(*shape, *sizes)
     value = value.astype(
       config.plan.feature_specs[0].table_spec.activation_dtype
     )
