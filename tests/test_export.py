@@ -538,6 +538,7 @@ def test_lookup_round_trip_and_re_export(tmp_path):
     {"embedding": worker.DIM},
     worker.mesh_of(8),
     pzsc.AdagradOptimizerSpec(learning_rate=0.1),
+    gather_max_samples=3,
   )
   tokens = np.random.RandomState(0).randint(0, 100, (4, 6)).astype(np.int32)
   tokens = pz.nx.wrap(jnp.asarray(tokens)).tag("batch", "seq")
@@ -551,6 +552,7 @@ def test_lookup_round_trip_and_re_export(tmp_path):
   (layer,) = served.sublayers
   assert isinstance(layer, pzsc.SparseCoreLookup)
   assert layer.config.label == "embedder.embeddings"
+  assert layer.config.gather_max_samples == 3  # The serving rule kept.
   np.testing.assert_array_equal(looked_up(served), want)
   # A serving model exports again (here as int8) and loads.
   export(served, tmp_path / "again", table_dtype="int8")

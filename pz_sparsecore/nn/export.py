@@ -422,6 +422,7 @@ def _layer_entry(
       "vocabulary_axis": config.vocabulary_axis,
       "host_input": config.host_input,
       "max_ids_per_partition": config.max_ids_per_partition,
+      "gather_max_samples": config.gather_max_samples,
     }
     return entry
   names = [spec.name for spec in plan.feature_specs]
@@ -906,6 +907,7 @@ def _lookup_config(
     eviction=None
     if table["eviction"] is None
     else hashed.Eviction(**table["eviction"]),
+    gather_max_samples=facts.get("gather_max_samples"),
   )
 
 
