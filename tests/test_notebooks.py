@@ -23,6 +23,7 @@ def test_notebooks_found():
     "from_jax_tpu_embedding.ipynb",
     "shakespeare.ipynb",
     "sharding_and_visualising.ipynb",
+    "training_to_serving.ipynb",
     "your_own_model.ipynb",
   ]
 
