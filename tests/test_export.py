@@ -561,3 +561,37 @@ def test_lookup_round_trip_and_re_export(tmp_path):
   got = pzsc.logical_tables(again.sublayers[0])["embedder"]
   spread = table.max(1, keepdims=True) - table.min(1, keepdims=True)
   assert np.all(np.abs(got - table) <= spread / 255 / 2 + 1e-7)
+
+
+def test_jax_nn_activations_and_scalar_variables_round_trip(tmp_path):
+  """`pz.nn.Elementwise(jax.nn.relu)` (a `jax.custom_jvp` object) pickles
+  by name, and a scalar bias keeps its shape `()`."""
+  lookup = pzsc.SparseCoreLookup.from_config(
+    "embedder",
+    jax.random.key(0),
+    50,
+    {"embedding": worker.DIM},
+    worker.mesh_of(8),
+    pzsc.AdagradOptimizerSpec(learning_rate=0.1),
+  )
+  bias = pz.nn.AddBias.from_config("bias", jax.random.key(1), biased_axes={})
+  bias.bias.value = pz.nx.wrap(jnp.float32(0.25))
+  model = pz.nn.Sequential(
+    [
+      lookup,
+      pz.nn.Elementwise(jax.nn.relu),
+      pz.nn.Elementwise(jax.nn.silu),
+      bias,
+    ]
+  )
+  tokens = pz.nx.wrap(jnp.arange(12, dtype=jnp.int32)).tag("batch")
+
+  def out(m):
+    return np.asarray(m(tokens).unwrap("batch", "embedding"))
+
+  export(model, tmp_path / "m")
+  served = load_for_serving(tmp_path / "m", mesh=worker.mesh_of(1))
+  assert served.sublayers[1].fn is jax.nn.relu
+  assert served.sublayers[3].bias.value.positional_shape == ()
+  assert served.sublayers[3].bias.value.named_shape == {}
+  np.testing.assert_allclose(out(served), out(model), rtol=1e-6)

@@ -71,8 +71,10 @@ of two places:
   static configuration, variable slots and constants). Convenient, but
   pickle names the model's classes by module path (the code that defined
   them must import, in a compatible version) and runs code as it loads:
-  load only exports you trust. A model that does not pickle (e.g. a lambda
-  in a layer) is exported without it, and needs `model_like`.
+  load only exports you trust. Callables that are objects rather than
+  functions (`jax.nn.relu` in a `pz.nn.Elementwise` is a `jax.custom_jvp`)
+  are stored by their module and name. A model that does not pickle (e.g.
+  a lambda in a layer) is exported without it, and needs `model_like`.
 
 Serving model. Its layers are built on `mesh` (tables sharded over all its
 axes, `num_sc_per_device` as trained unless given) with the trained
@@ -117,11 +119,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import glob
+import importlib
+import io
 import json
 import logging
 import os
 import pickle
 import shutil
+import types
 import uuid
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -314,7 +319,11 @@ class _Arrays:
 
   def add(self, array: Any, what: str) -> str:
     name = f"{ARRAYS}/{len(self.items)}.bin"
-    self.items[name] = (np.ascontiguousarray(array), what)
+    # `ascontiguousarray` makes a 0-d array 1-d: keep the shape.
+    self.items[name] = (
+      np.ascontiguousarray(array).reshape(np.shape(array)),
+      what,
+    )
     return name
 
 
@@ -544,15 +553,47 @@ def _dense(model: Any, arrays: _Arrays) -> tuple[dict[str, Any], Any]:
   return entries, structure
 
 
+def _named_global(module: str, qualname: str) -> Any:
+  """The object `module.qualname` (how `_Pickler` stores named callables)."""
+  obj = importlib.import_module(module)
+  for part in qualname.split("."):
+    obj = getattr(obj, part)
+  return obj
+
+
+class _Pickler(pickle.Pickler):
+  """A pickler that stores by name the callables that are objects rather
+  than functions (`jax.custom_jvp` / `custom_vjp`: `jax.nn.relu`,
+  `jax.nn.silu`, ... in `pz.nn.Elementwise`), when their module and
+  qualified name give the same object back."""
+
+  def reducer_override(self, obj: Any) -> Any:
+    if isinstance(obj, type) or not callable(obj):
+      return NotImplemented
+    if isinstance(obj, types.FunctionType | types.BuiltinFunctionType):
+      return NotImplemented
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str):
+      return NotImplemented
+    try:
+      same = _named_global(module, qualname) is obj
+    except (ImportError, AttributeError):
+      return NotImplemented
+    return (_named_global, (module, qualname)) if same else NotImplemented
+
+
 def _pickled(structure: Any) -> tuple[bytes | None, str | None]:
   """The structure pickled (its arrays as numpy), or why it could not be."""
   host = jax.tree.map(
     lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, structure
   )
+  out = io.BytesIO()
   try:
-    return pickle.dumps(host, protocol=pickle.HIGHEST_PROTOCOL), None
+    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(host)
   except (pickle.PicklingError, TypeError, AttributeError) as e:
     return None, f"{type(e).__name__}: {e}"
+  return out.getvalue(), None
 
 
 # ---------------------------------------------------------------------------
@@ -1194,7 +1235,8 @@ def load_for_serving(
   structure pickled at export time (only for exports you trust: pickle
   runs code). The model's forward is the trained model's: bit for bit from
   a float32 export on the trained topology (on another, lookups may sum a
-  sample's rows in another order); from a bfloat16 export, that of the
+  sample's rows in another order, and dense layers that run on another
+  batch per device may round their last bits differently); from a bfloat16 export, that of the
   trained tables rounded to bfloat16; from an int8 export, within the
   bound of the module docstring.
 
