@@ -1237,8 +1237,8 @@ def load_for_serving(
   a float32 export on the trained topology (on another, lookups may sum a
   sample's rows in another order, and dense layers that run on another
   batch per device may round their last bits differently); from a
-  bfloat16 export, that of the trained tables rounded to bfloat16; from an int8 export, within the
-  bound of the module docstring.
+  bfloat16 export, that of the trained tables rounded to bfloat16; from an
+  int8 export, within the bound of the module docstring.
 
   Args:
     path: A folder written by `export`.
