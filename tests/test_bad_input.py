@@ -119,10 +119,6 @@ BAD_INPUTS = {
     lambda: ({"wordz": _ids()}, None),
     r"(structure|words|wordz)",
   ),
-  "batch not divisible": (
-    lambda: ({"words": _ids(shape=(BATCH - 2, 3))}, None),
-    r"feature 'words'",
-  ),
   "empty batch": (
     lambda: ({"words": _ids(shape=(0, 3))}, None),
     r"feature 'words'",
@@ -142,6 +138,32 @@ def test_bad_input_raises_and_changes_nothing(embed, case):
   with pytest.raises(ValueError, match=pattern):
     embed.preprocess(features, weights)
   _assert_unchanged(embed, before)
+
+
+def test_a_batch_of_another_size_is_padded_not_refused(embed):
+  """The layer takes any batch size (`nn.batching`): 14 of the specs' 16
+  samples are padded to the bucket and nothing else changes."""
+  before = _snapshot(embed)
+  inputs, _ = embed.preprocess({"words": _ids(shape=(BATCH - 2, 3))})
+  assert inputs.batch.samples == (BATCH - 2,)
+  assert embed(inputs)["words"].named_shape == {
+    "batch": BATCH - 2,
+    "embedding": DIM,
+  }
+  _assert_unchanged(embed, before)
+
+
+def test_upstream_preprocessing_refuses_a_batch_of_another_size(embed):
+  """Upstream's call keeps its contract: the specs' batch, or an error."""
+  with pytest.raises(ValueError, match="feature 'words'"):
+    pzsc.preprocess_sparse_dense_matmul_input(
+      {"words": _ids(shape=(BATCH - 2, 3))},
+      None,
+      embed.config.plan.specs_tree,
+      4,
+      4,
+      num_sc_per_device=1,
+    )
 
 
 def test_limits_exceeded_with_dropping_is_allowed(embed):

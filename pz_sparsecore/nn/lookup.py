@@ -300,6 +300,27 @@ def _default_initializer(key, shape, dtype=jnp.float32):
   )
 
 
+def _check_limits(
+  label: str, max_ids_per_partition: Any, gather_max_samples: Any
+) -> None:
+  """Raises unless the call-size options of `from_config` are valid."""
+  if max_ids_per_partition is not None and max_ids_per_partition <= 0:
+    raise ValueError(
+      f"SparseCoreLookup {label!r}: max_ids_per_partition must be positive "
+      f"or None, got {max_ids_per_partition!r}"
+    )
+  if gather_max_samples is not None and (
+    isinstance(gather_max_samples, bool)
+    or not isinstance(gather_max_samples, int | np.integer)
+    or gather_max_samples < 0
+  ):
+    raise ValueError(
+      f"SparseCoreLookup {label!r}: gather_max_samples must be an integer "
+      f">= 0 (0: always exchange) or None (the shard count), got "
+      f"{gather_max_samples!r}"
+    )
+
+
 def _make_lookup_config(
   label: str,
   vocab_size: int,
@@ -331,21 +352,7 @@ def _make_lookup_config(
       f"SparseCoreLookup {label!r}: the vocabulary axis {vocabulary_axis!r}"
       f" is also an embedding axis {dict(axes)}"
     )
-  if max_ids_per_partition is not None and max_ids_per_partition <= 0:
-    raise ValueError(
-      f"SparseCoreLookup {label!r}: max_ids_per_partition must be positive "
-      f"or None, got {max_ids_per_partition!r}"
-    )
-  if gather_max_samples is not None and (
-    isinstance(gather_max_samples, bool)
-    or not isinstance(gather_max_samples, int | np.integer)
-    or gather_max_samples < 0
-  ):
-    raise ValueError(
-      f"SparseCoreLookup {label!r}: gather_max_samples must be an integer "
-      f">= 0 (0: always exchange) or None (the shard count), got "
-      f"{gather_max_samples!r}"
-    )
+  _check_limits(label, max_ids_per_partition, gather_max_samples)
   topology = embed_lib.make_topology(
     mesh, sharding_axis, num_sc_per_device, exchange, axis_name_to_mesh_name
   )
