@@ -285,6 +285,11 @@ def count_rows(name: str, leaf: Any, what: str = "ids") -> int:
     ValueError: Naming the feature, for a leaf in no accepted form.
   """
   if isinstance(leaf, tuple):
+    # The row splits' length; the reader checks them (every batch is
+    # read), so they are not checked twice here.
+    splits = leaf[1] if len(leaf) == 2 else None
+    if getattr(splits, "ndim", None) == 1:
+      return len(splits) - 1
     return _from_tuple(name, leaf, what).num_rows
   for reader in LEAF_FORMATS:
     if reader.is_leaf(leaf):

@@ -185,7 +185,7 @@ def pad_batch(
 
 
 @functools.lru_cache(maxsize=64)
-def _config_for_sizes(config: Any, sizes: tuple[int, ...]) -> Any:
+def _resized(config: Any, sizes: tuple[int, ...]) -> Any:
   topo = config.topology
   specs = layout.with_batch_sizes(
     config.plan.specs_tree, sizes, topo.num_devices, topo.num_sc_per_device
@@ -194,14 +194,16 @@ def _config_for_sizes(config: Any, sizes: tuple[int, ...]) -> Any:
   return dataclasses.replace(config, plan=plan)
 
 
+def _config_of_sizes(config: Any, sizes: tuple[int, ...]) -> Any:
+  """The config of buffers whose features' first axes are `sizes`."""
+  if sizes == tuple(spec.output_shape[0] for spec in config.plan.feature_specs):
+    return config
+  return _resized(config, sizes)
+
+
 def config_for(config: Any, batch: BatchShape | None) -> Any:
   """The config of buffers of `batch` (the layer's own for None)."""
-  if batch is None:
-    return config
-  sizes = tuple(spec.output_shape[0] for spec in config.plan.feature_specs)
-  if batch.padded == sizes:
-    return config
-  return _config_for_sizes(config, batch.padded)
+  return config if batch is None else _config_of_sizes(config, batch.padded)
 
 
 def config_of_inputs(config: Any, inputs: Any) -> Any:
@@ -215,17 +217,13 @@ def config_of_inputs(config: Any, inputs: Any) -> Any:
 def config_of_activations(config: Any, activations: Any) -> Any:
   """The config of the call that gave these flat `[samples, dim]`
   activations (or their gradients), by feature name."""
-  sizes = tuple(
-    activations[spec.name].shape[0] // _rest(spec)
-    for spec in config.plan.feature_specs
+  return _config_of_sizes(
+    config,
+    tuple(
+      activations[spec.name].shape[0] // _rest(spec)
+      for spec in config.plan.feature_specs
+    ),
   )
-  return config_for(config, BatchShape(samples=sizes, padded=sizes))
-
-
-def _blocks(value: jax.Array, padded: int) -> jax.Array:
-  """`value` `[padded, ...]` as `[processes, padded / processes, ...]`."""
-  p = jax.process_count()
-  return value.reshape(p, padded // p, *value.shape[1:])
 
 
 def real_samples(
@@ -237,8 +235,8 @@ def real_samples(
     return value
   padded, samples = batch.padded[index], batch.samples[index]
   p = jax.process_count()
-  kept = _blocks(value, padded)[:, : samples // p]
-  return kept.reshape(samples, *value.shape[1:])
+  blocks = value.reshape(p, padded // p, *value.shape[1:])
+  return blocks[:, : samples // p].reshape(samples, *value.shape[1:])
 
 
 def padded_gradient(

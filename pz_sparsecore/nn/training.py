@@ -1136,9 +1136,7 @@ class _LimitsRefresher:
     topology (as many partitions and SparseCores), else dropped (limits
     are not converted between topologies, `_ckpt_limits`)."""
     out = cls()
-    for embed in (
-      pz.select(model).at_instances_of(SparseCoreEmbed).get_sequence()
-    ):
+    for embed in find_embeds(model):
       saved = data.get(embed.config.name)
       if saved is None:
         continue
@@ -1170,7 +1168,7 @@ class _LimitsRefresher:
         )
         for s in e.config.plan.stacks
       }
-      for e in pz.select(model).at_instances_of(SparseCoreEmbed).get_sequence()
+      for e in find_embeds(model)
     }
     warnings.warn(
       f"fit: the batch of step {step} was over the limits ({error}); the "
