@@ -19,10 +19,15 @@ $(STAMP): $(SOURCES)
 demo: $(STAMP)
 	$(PY) -m pz_sparsecore shakespeare --report reports/shakespeare
 
+# A worker that dies (a crash in a compiled library) ends the run at once,
+# naming the test it ran: pytest-xdist 3.8's loadgroup scheduler can wait
+# forever for work after replacing a crashed worker.
+XDIST := -n 2 --dist loadgroup --max-worker-restart=0
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q $(XDIST)
 
 # The second tested environment: Python 3.12 (from pyenv, or set
 # PYTHON_NEWEST) with the newest jax the ranges allow
@@ -61,7 +66,7 @@ $(STAMP_NEWEST): $(SOURCES) constraints-newest.txt
 test-newest: $(STAMP_NEWEST)
 	$(PY_NEWEST) -c "import sys, jax; print('test-newest: Python', \
 		sys.version.split()[0], 'jax', jax.__version__)"
-	$(PY_NEWEST) -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider \
+	$(PY_NEWEST) -m pytest -q $(XDIST) -p no:cacheprovider \
 		$(NEWEST_TESTS)
 
 # The kernel and ragged-reader tests against the kernels and the reader

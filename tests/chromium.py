@@ -189,6 +189,28 @@ def evaluate(call, expression: str):
   return result["result"].get("value")
 
 
+def open_page(call, url: str, timeout: float = 60) -> None:
+  """Navigates to `url` and waits until it has loaded.
+
+  A navigation sent while Chromium is still starting (a loaded machine) can
+  be dropped, leaving about:blank on screen: it is sent again after 10 s
+  without the page, and a timeout names what the tab shows instead.
+  """
+  loaded = (
+    f"location.href === {json.dumps(url)} && document.readyState === 'complete'"
+  )
+  deadline = time.monotonic() + timeout
+  while True:
+    call("Page.navigate", url=url)
+    retry = min(deadline, time.monotonic() + 10)
+    while time.monotonic() < retry:
+      if evaluate(call, loaded):
+        return
+      time.sleep(0.25)
+    shown = evaluate(call, "location.href + ' ' + document.readyState")
+    assert time.monotonic() < deadline, f"{url} did not load; shown: {shown}"
+
+
 def wait_for(call, expression: str, timeout: float = 60) -> None:
   """Polls `expression` on the page until it is true."""
   deadline = time.monotonic() + timeout

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -62,18 +61,11 @@ def _screenshot_when_drawn(browser: str, url: str, profile) -> bytes:
   import base64
 
   with chromium.devtools(browser, profile, 1200, 1200) as call:
-    call("Page.navigate", url=url)
-    chromium.wait_for(call, _loaded(url) + " && " + chromium.DRAWN)
+    chromium.open_page(call, url)
+    chromium.wait_for(call, chromium.DRAWN)
     return base64.b64decode(
       call("Page.captureScreenshot", format="png")["data"]
     )
-
-
-def _loaded(url: str) -> str:
-  """JavaScript: true once the page shows `url`, loaded."""
-  return (
-    f"location.href === {json.dumps(url)} && document.readyState === 'complete'"
-  )
 
 
 # One worker runs every test of the default run (`xdist_group`), and the
@@ -237,8 +229,7 @@ def test_report_reads_well_at_1280_px(default_run, tmp_path):
   report, _ = default_run
   url = (report / "index.html").as_uri()
   with chromium.devtools(browser, tmp_path / "profile", 1280, 900) as call:
-    call("Page.navigate", url=url)
-    chromium.wait_for(call, _loaded(url))
+    chromium.open_page(call, url)
     chromium.evaluate(call, chromium.DRAW_ALL)
     page = chromium.evaluate(call, _LAYOUT)
   assert page["scrollWidth"] <= page["innerWidth"], page

@@ -233,8 +233,7 @@ def test_executed_page_shows_its_figures(built, name, tmp_path):
   with chromium.devtools(browser, tmp_path / "profile", 1280, 900) as call:
     call("Runtime.enable")
     call("Page.enable")
-    call("Page.navigate", url=page.as_uri())
-    chromium.wait_for(call, "document.readyState === 'complete'")
+    chromium.open_page(call, page.as_uri())
     # A window as tall as the page (1280 px wide): every output is on
     # screen, so Treescope draws them all without waiting for scrolls.
     height = chromium.evaluate(call, "document.documentElement.scrollHeight")
@@ -293,8 +292,7 @@ def test_treescope_scripts_run_once_the_page_is_parsed(tmp_path):
   )
   with chromium.devtools(browser, tmp_path / "profile", 800, 600) as call:
     call("Runtime.enable")
-    call("Page.navigate", url=page.as_uri())
-    chromium.wait_for(call, "document.readyState === 'complete'")
+    chromium.open_page(call, page.as_uri())
     seen = chromium.evaluate(call, "window.seen")
     left = chromium.evaluate(
       call, "document.querySelectorAll('treescope-run-here').length"

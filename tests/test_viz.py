@@ -663,8 +663,7 @@ def test_shard_map_as_drawn_in_chromium(embed_8x4, tmp_path):
   )
   with chromium.devtools(browser, tmp_path / "profile", 1280, 1600) as call:
     call("Runtime.enable")
-    call("Page.navigate", url=page.as_uri())
-    chromium.wait_for(call, "document.readyState === 'complete'")
+    chromium.open_page(call, page.as_uri())
     drawn = chromium.evaluate(call, chromium.DRAW_ALL)
     assert drawn["undrawn"] == [], drawn
     (bars,) = chromium.evaluate(call, _CANVAS_CELLS)

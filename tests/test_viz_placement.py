@@ -443,7 +443,7 @@ def test_default_view_draws_device_colours_in_chromium(tmp_path):
   profile.mkdir()
   with chromium.devtools(browser, profile, 1200, 1600) as call:
     call("Runtime.enable")
-    call("Page.navigate", url=page.as_uri())
+    chromium.open_page(call, page.as_uri())
     chromium.wait_for(call, chromium.DRAWN)
     drawn = chromium.evaluate(call, chromium.DRAW_ALL)
     assert drawn["undrawn"] == [], drawn
