@@ -279,6 +279,7 @@ def test_auc_window_keeps_the_latest_examples():
 
 def test_auc_equals_sklearn():
   from sklearn import metrics as sklearn_metrics
+
   data = make_data("auc", seed=8)
   auc = metrics.AUC()
   for batch in split(data, UNEVEN):
