@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import user_compile
 from jax.sharding import Mesh
 from penzai import pz
 
@@ -172,7 +173,9 @@ def _stepped(devices, sc, optimizer, check_finite):
   before = _buffers(trainer)
   trainer.step(**kwargs)
   after = _buffers(trainer)
-  compiled = step_fn.lower(*captured["args"], **captured["kwargs"]).compile()
+  compiled = step_fn.lower(*captured["args"], **captured["kwargs"]).compile(
+    user_compile.OPTIONS
+  )
   value = trainer.model.embed.tables["t"].value.data_array
   shard_elements = value.size // devices
   return before, after, compiled, shard_elements
@@ -207,5 +210,5 @@ def test_the_check_sees_a_table_sized_operation():
     return table * 2.0
 
   table = jnp.zeros((VOCAB, DIM))
-  hlo = jax.jit(scaled).lower(table).compile().as_text()
+  hlo = jax.jit(scaled).lower(table).compile(user_compile.OPTIONS).as_text()
   assert _table_sized(hlo, VOCAB * DIM)

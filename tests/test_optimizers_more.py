@@ -26,6 +26,7 @@ import numpy as np
 import optax
 import pytest
 import test_training as tt
+import user_compile
 from numerics import assert_close
 from test_kernels import _grad_call, _slots, _table, make_buffers, row_grads
 
@@ -427,7 +428,12 @@ def _shapes_and_table_writers(rows_per_partition: int):
 
   args = (jnp.ones((32, DIM)), buf.args(), table, jnp.ones_like(table))
   jaxpr = jax.make_jaxpr(step)(*args)
-  hlo = jax.jit(step, donate_argnums=(2, 3)).lower(*args).compile().as_text()
+  hlo = (
+    jax.jit(step, donate_argnums=(2, 3))
+    .lower(*args)
+    .compile(user_compile.OPTIONS)
+    .as_text()
+  )
   return _eqns(jaxpr.jaxpr), hlo, (vocab, DIM)
 
 

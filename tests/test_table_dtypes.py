@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import user_compile
 from numerics import assert_close
 from test_kernels import (
   FORWARD_CASES,
@@ -102,7 +103,8 @@ def _grad(buf, act, table, slots, opt, hp, impl, seed, static=None):
       implementation=impl,
       static_attributes=static,
       **buf.layout(),
-    )
+    ),
+    compiler_options=user_compile.OPTIONS,
   )
   new_table, new_slots = fn(
     jnp.asarray(act),
