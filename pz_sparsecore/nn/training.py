@@ -720,7 +720,9 @@ class SparseCoreTrainer(pz.Struct):
         False}` (XLA's classic emitters) compiles the 26-table DLRM's step
         in about half the time (1.6-2.0 s instead of 3.2-3.6) for a step
         5-10% slower on 8 virtual devices, and a dense step up to 40%
-        slower on one: worth it for short runs only.
+        slower on one: worth it for short runs only. That option is
+        jaxlib 0.10's: newer XLA has no such option and refuses it
+        ("No such compile option").
       track_touched: Keep, per stack, a bitmap of the rows the steps touch
         (one byte per row, set in the step at O(batch) cost), which delta
         checkpoints need (`save_checkpoint(..., delta=True)` or
