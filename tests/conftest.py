@@ -1,11 +1,11 @@
 """Shared test setup: eight virtual CPU devices for the sharding tests."""
 
-import importlib.metadata
 import os
 import subprocess
 import sys
 
 import pytest
+import user_compile
 
 # Must run before jax is imported anywhere in the test session.
 # Compiling is most of the suite's CPU time, and most of a CPU compile is
@@ -18,17 +18,12 @@ import pytest
 # CLI, multi-process runs) compile with XLA's defaults, as users do.
 # With XLA's classic CPU emitters (how fused kernels become machine code)
 # the tests compile in about a third less time than with its fusion
-# emitters (test_training and test_any_batch: 121 -> 77 s, same results);
-# jaxlib 0.10's XLA has both, newer ones refuse the flag.
-_CLASSIC_EMITTERS = (
-  " --xla_cpu_use_fusion_emitters=false"
-  if importlib.metadata.version("jaxlib").startswith("0.10.")
-  else ""
-)
+# emitters (test_training and test_any_batch: 121 -> 77 s, same results):
+# `user_compile.FLAG`, empty where jaxlib lacks them.
 os.environ.setdefault(
   "XLA_FLAGS",
-  "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-  + _CLASSIC_EMITTERS,
+  "--xla_force_host_platform_device_count=8 "
+  f"--xla_backend_optimization_level=0 {user_compile.FLAG}",
 )
 
 # No persistent JAX compilation cache: with one shared by the workers (a
