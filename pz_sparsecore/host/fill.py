@@ -15,6 +15,7 @@ same fill unbounded as its first pass.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -109,8 +110,41 @@ def fill(
     call.out,
   )
   with _KERNEL_LOCK:
+    _launch_threads()
     _fill_numba.fill_buffers(*args)
   return call
+
+
+_launched = False
+
+
+def _launch_threads() -> None:
+  """Starts numba's worker threads with `OMP_WAIT_POLICY=PASSIVE` unless
+  the process sets the variable itself (then as it says); called under
+  `_KERNEL_LOCK` before the first kernel.
+
+  numba's OpenMP layer (GNU libgomp, which reads the variable once, when
+  numba loads it) keeps its idle workers spinning after each parallel loop
+  by default. The step that follows a preprocess wants the same cores for
+  XLA: on 2 cores the spinning made a 26-table DLRM's step 15-25% slower
+  (docs/benchmarks.md). Passive workers sleep instead; the variable is
+  removed again once the threads are up, so child processes do not inherit
+  it.
+  """
+  global _launched
+  if _launched:
+    return
+  import numba
+
+  ours = "OMP_WAIT_POLICY" not in os.environ
+  if ours:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+  try:
+    numba.get_num_threads()  # Loads the threading layer and starts it.
+  finally:
+    if ours:
+      del os.environ["OMP_WAIT_POLICY"]
+  _launched = True
 
 
 # ---------------------------------------------------------------------------
