@@ -212,3 +212,16 @@ def test_the_check_sees_a_table_sized_operation():
   table = jnp.zeros((VOCAB, DIM))
   hlo = jax.jit(scaled).lower(table).compile(user_compile.OPTIONS).as_text()
   assert _table_sized(hlo, VOCAB * DIM)
+
+
+def test_the_steps_finite_flags_ride_the_gradients_all_reduce():
+  """The labels' finite flag (a sharded input), the loss and the dense
+  gradients cross the devices in one all-reduce: a flag of its own would
+  be another collective every step."""
+  _, _, compiled, _ = _stepped(4, 2, "sgd", False)
+  reduces = [
+    line.strip()[:200]
+    for line in compiled.as_text().splitlines()
+    if re.search(r" all-reduce(-start)?\(", line)
+  ]
+  assert len(reduces) == 1, "\n".join(reduces)
