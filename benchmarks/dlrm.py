@@ -513,6 +513,12 @@ def main() -> None:
   parser.add_argument("--test-batches", type=int, default=8)
   parser.add_argument("--warmup", type=int, default=10)
   parser.add_argument(
+    "--repeat",
+    type=int,
+    default=1,
+    help="runs of each library, alternated; the table gives medians",
+  )
+  parser.add_argument(
     "--refresh",
     type=int,
     default=REFRESH,
@@ -551,72 +557,93 @@ def main() -> None:
     result = fn(train, test, args.warmup)
     print(json.dumps({**result, "rss_data_gb": data_gb}))
     return
-  results = {}
   libs = args.libs.split(",")
-  for who in libs:
-    child, ids = LIBS[who]
-    out = subprocess.run(
-      [
-        sys.executable,
-        __file__,
-        "--child",
-        child,
-        "--ids",
-        ids,
-        "--devices",
-        str(args.devices),
-        "--batches",
-        str(args.batches),
-        "--test-batches",
-        str(args.test_batches),
-        "--warmup",
-        str(args.warmup),
-        "--refresh",
-        str(args.refresh),
-        "--placement",
-        args.placement,
-        "--table-optimizer",
-        args.table_optimizer,
-        "--table-dtype",
-        args.table_dtype,
-      ],
-      capture_output=True,
-      text=True,
-    )
-    if out.returncode != 0:
-      results[who] = {"error": out.stderr.strip().splitlines()[-1:]}
-    else:
-      results[who] = json.loads(out.stdout.strip().splitlines()[-1])
-    print(who, results[who], flush=True)
+  runs = {who: [] for who in libs}
+  for _ in range(args.repeat):
+    for who in libs:
+      runs[who].append(_child_run(who, args))
+      print(who, runs[who][-1], flush=True)
   load = os.getloadavg()[0]
-  o, t = (results[who] for who in libs)
   print(
     f"\n26-table DLRM, batch {BATCH}, {args.batches} training batches, "
     f"{args.test_batches} held out, tables {args.table_optimizer} (ours "
     f"{args.table_dtype}, {args.devices} devices); load "
     f"average {load:.1f}"
   )
-  if "error" in o or "error" in t:
+  if any("error" in r for rs in runs.values() for r in rs):
     return
-  rows = [
-    ("stacks / tables", "stacks", "{:.0f}", False),
-    ("step compilations", "compiles", "{:.0f}", False),
-    ("model build, s", "build_s", "{:.2f}", True),
-    ("first step (compile), s", "first_step_s", "{:.2f}", True),
-    ("host preprocessing, ms/batch", "prep_ms", "{:.2f}", True),
-    ("step, batch ready, ms", "step_ms", "{:.2f}", True),
-    ("end to end, ms/step", "e2e_ms", "{:.2f}", True),
-    ("preprocessing then step, in sequence, ms", "sequence_ms", "{:.2f}", True),
-    ("peak RSS, GB", "rss_gb", "{:.2f}", True),
-    ("RSS with the batches only, GB", "rss_data_gb", "{:.2f}", True),
-    ("held-out AUC", "auc", "{:.4f}", False),
-  ]
+  _print_table(libs, runs)
+
+
+def _child_run(who: str, args: argparse.Namespace) -> dict:
+  """One library's run in its own process: its result row, or the error."""
+  child, ids = LIBS[who]
+  options = {
+    "child": child,
+    "ids": ids,
+    "devices": args.devices,
+    "batches": args.batches,
+    "test-batches": args.test_batches,
+    "warmup": args.warmup,
+    "refresh": args.refresh,
+    "placement": args.placement,
+    "table-optimizer": args.table_optimizer,
+    "table-dtype": args.table_dtype,
+  }
+  command = [sys.executable, __file__]
+  for key, value in options.items():
+    command += [f"--{key}", str(value)]
+  out = subprocess.run(command, capture_output=True, text=True)
+  if out.returncode != 0:
+    return {"error": out.stderr.strip().splitlines()[-1:]}
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+_ROWS = [
+  ("stacks / tables", "stacks", "{:.0f}", False),
+  ("step compilations", "compiles", "{:.0f}", False),
+  ("model build, s", "build_s", "{:.2f}", True),
+  ("first step (compile), s", "first_step_s", "{:.2f}", True),
+  ("host preprocessing, ms/batch", "prep_ms", "{:.2f}", True),
+  ("step, batch ready, ms", "step_ms", "{:.2f}", True),
+  ("end to end, ms/step", "e2e_ms", "{:.2f}", True),
+  ("preprocessing then step, in sequence, ms", "sequence_ms", "{:.2f}", True),
+  ("peak RSS, GB", "rss_gb", "{:.2f}", True),
+  ("RSS with the batches only, GB", "rss_data_gb", "{:.2f}", True),
+  ("held-out AUC", "auc", "{:.4f}", False),
+]
+
+
+def _print_table(libs: list[str], runs: dict[str, list[dict]]) -> None:
+  """Each row's median over the runs, the two libraries side by side; with
+  several runs, also each pair's in-sequence ratio (the pairs alternate,
+  so each pair saw the same machine)."""
   a, b = libs
+  o, t = (
+    {
+      key: statistics.median(r[key] for r in runs[who])
+      for _, key, _, _ in _ROWS
+    }
+    for who in libs
+  )
+  repeat = len(runs[a])
+  if repeat > 1:
+    print(f"(medians of {repeat} alternated runs of each)")
   print(f"{'':32} {a:>12} {b:>12} {a + '/' + b:>26}")
-  for label, key, fmt, ratio in rows:
+  for label, key, fmt, ratio in _ROWS:
     r = f"{o[key] / t[key]:.2f}" if ratio and t[key] else ""
     print(
       f"{label:32} {fmt.format(o[key]):>12} {fmt.format(t[key]):>12} {r:>26}"
+    )
+  if repeat > 1:
+    pairs = [
+      x["sequence_ms"] / y["sequence_ms"]
+      for x, y in zip(runs[a], runs[b], strict=True)
+    ]
+    print(
+      "in sequence, each pair's ratio: "
+      + ", ".join(f"{r:.2f}" for r in pairs)
+      + f" (median {statistics.median(pairs):.2f})"
     )
 
 
