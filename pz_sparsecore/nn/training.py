@@ -550,10 +550,18 @@ def _trainer_step(
     touched,
     grads.aux,
     finite,
-    # Not donated by the next step (unlike the step counter above): what
-    # `step` waits for to bound the steps in flight.
-    jnp.asarray(state.step + 1),
+    _done_marker(state.step + 1, finite),
   )
+
+
+def _done_marker(steps: jax.Array, finite: dict[str, jax.Array]) -> jax.Array:
+  """What `step` waits for to bound the steps in flight (not donated by
+  the next step, unlike the step counter): the steps taken, negated when
+  an input was not finite, so that waiting reads one scalar and the
+  per-input flags only when one failed."""
+  inputs = [ok for name, ok in finite.items() if name.startswith("input ")]
+  ok = jnp.all(jnp.stack(inputs)) if inputs else True
+  return jnp.where(ok, steps, -steps)
 
 
 class _Grouping:
@@ -915,10 +923,11 @@ class SparseCoreTrainer(pz.Struct):
       if self.check_finite:
         continue  # `step` reads this step's flags itself.
       inputs = {k: v for k, v in finite.items() if k.startswith("input ")}
-      bad = [k for k, ok in jax.device_get(inputs).items() if not bool(ok)]
-      if bad:
+      steps = int(done) if inputs else 0
+      if steps < 0:  # `_done_marker`: an input was not finite.
+        bad = [k for k, ok in jax.device_get(inputs).items() if not bool(ok)]
         raise NonFiniteInputError(
-          f"step {int(done) - 1}: non-finite values in {', '.join(bad)}; "
+          f"step {-steps - 1}: non-finite values in {', '.join(bad)}; "
           "the step ran with them (its loss and updates are not finite: "
           "restore the variables from before it, or build the trainer with "
           "check_finite=True to have such steps skipped)"
