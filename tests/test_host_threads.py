@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
+import fresh_process
 import pytest
 
 _WORKER = """
@@ -69,15 +68,7 @@ def _run(policy: str | None) -> dict:
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
   if policy is not None:
     env["OMP_WAIT_POLICY"] = policy
-  done = subprocess.run(
-    [sys.executable, "-c", _WORKER],
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert done.returncode == 0, done.stderr[-3000:]
-  return json.loads(done.stdout.strip().splitlines()[-1])
+  return json.loads(fresh_process.run(_WORKER, env).strip().splitlines()[-1])
 
 
 def test_idle_workers_do_not_spin_and_the_environment_is_restored():

@@ -13,10 +13,9 @@ from __future__ import annotations
 import os
 import pathlib
 import platform
-import subprocess
-import sys
 import textwrap
 
+import fresh_process
 import pytest
 
 THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -97,17 +96,8 @@ def test_a_new_table_at_a_freed_tables_address_gets_huge_pages():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   env.pop("PZSC_HUGE_PAGES", None)
-  result = subprocess.run(
-    [sys.executable, "-c", SCRIPT],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=300,
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  lines = dict(
-    line.rsplit(" ", 1) for line in result.stdout.splitlines() if line
-  )
+  stdout = fresh_process.run(SCRIPT, env)
+  lines = dict(line.rsplit(" ", 1) for line in stdout.splitlines() if line)
   if lines["reused"] != "True":
     pytest.skip("the allocator did not reuse the freed table's address")
   # The first table was collapsed by its forward (almost all of its 64 MiB;
