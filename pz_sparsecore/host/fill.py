@@ -126,10 +126,10 @@ def _launch_threads() -> None:
   numba's OpenMP layer (GNU libgomp, which reads the variable once, when
   numba loads it) keeps its idle workers spinning after each parallel loop
   by default. The step that follows a preprocess wants the same cores for
-  XLA: on 2 cores the spinning made a 26-table DLRM's step 15-25% slower
-  (docs/benchmarks.md). Passive workers sleep instead; the variable is
-  removed again once the threads are up, so child processes do not inherit
-  it.
+  XLA: on 2 cores the spinning made a 26-table DLRM's preprocessing then
+  step 12-38% slower (docs/benchmarks.md). Passive workers sleep instead;
+  the variable is removed again once the threads are up, so child
+  processes do not inherit it.
   """
   global _launched
   if _launched:

@@ -126,8 +126,8 @@ def _all_finite(x: jax.Array) -> jax.Array:
   A flag over a sharded array is an all-reduce across the devices. A
   boolean AND is a collective of its own; a float sum is one XLA's
   all-reduce combiner merges into the dense gradients' (one collective
-  fewer a step: 6% of a 26-table DLRM's step on 8 CPU devices). Exact: a
-  sum of zeros and ones is 0 only if every term is.
+  fewer a step: about 0.6 ms, 3%, of a 26-table DLRM's step on 8 CPU
+  devices). Exact: a sum of zeros and ones is 0 only if every term is.
   """
   return jnp.sum(~jnp.isfinite(x), dtype=jnp.float32) == 0
 
