@@ -15,6 +15,7 @@ same fill unbounded as its first pass.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 import warnings
@@ -115,9 +116,7 @@ def fill(
   return call
 
 
-_launched = False
-
-
+@functools.cache
 def _launch_threads() -> None:
   """Starts numba's worker threads with `OMP_WAIT_POLICY=PASSIVE` unless
   the process sets the variable itself (then as it says); called under
@@ -129,11 +128,9 @@ def _launch_threads() -> None:
   XLA: on 2 cores the spinning made a 26-table DLRM's preprocessing then
   step 12-38% slower (docs/benchmarks.md). Passive workers sleep instead;
   the variable is removed again once the threads are up, so child
-  processes do not inherit it.
+  processes do not inherit it. Once per process (`functools.cache`; a
+  failed start is tried again).
   """
-  global _launched
-  if _launched:
-    return
   import numba
 
   ours = "OMP_WAIT_POLICY" not in os.environ
@@ -144,7 +141,6 @@ def _launch_threads() -> None:
   finally:
     if ours:
       del os.environ["OMP_WAIT_POLICY"]
-  _launched = True
 
 
 # ---------------------------------------------------------------------------

@@ -922,9 +922,9 @@ class SparseCoreTrainer(pz.Struct):
       done.block_until_ready()
       if self.check_finite:
         continue  # `step` reads this step's flags itself.
-      inputs = {k: v for k, v in finite.items() if k.startswith("input ")}
-      steps = int(done) if inputs else 0
+      steps = int(done)
       if steps < 0:  # `_done_marker`: an input was not finite.
+        inputs = {k: v for k, v in finite.items() if k.startswith("input ")}
         bad = [k for k, ok in jax.device_get(inputs).items() if not bool(ok)]
         raise NonFiniteInputError(
           f"step {-steps - 1}: non-finite values in {', '.join(bad)}; "
