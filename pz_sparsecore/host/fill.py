@@ -34,6 +34,7 @@ from pz_sparsecore.core.preprocessed import (
   SparseDenseMatmulInputStats,
 )
 from pz_sparsecore.host import _fill_numba, coo_input, ragged_input
+from pz_sparsecore.host import blocks as blocks_lib
 from pz_sparsecore.host import sample_order as order_lib
 
 # Serialises kernel launches: numba's fallback threading layer (workqueue)
@@ -151,8 +152,9 @@ def _launch_threads() -> None:
 class _Call:
   """One call's plan and options, and every output array.
 
-  Each stack's buffers are the slices `[offset[t], offset[t + 1])` of the
-  flat output arrays; the per-item stats hold `T * L * S` rows.
+  Each stack's buffers are its blocks (`coo`, `row_pointers`) of the flat
+  output arrays, aligned for `device_put` (`host.blocks`); the per-item
+  stats hold `T * L * S` rows.
   """
 
   plan: plan_lib.Plan
@@ -160,8 +162,8 @@ class _Call:
   allow_id_dropping: bool
   coo_per_sc: np.ndarray
   unbounded: bool
-  coo_offset: np.ndarray
-  row_pointer_offset: np.ndarray
+  coo: blocks_lib.Blocks
+  row_pointers: blocks_lib.Blocks
   out: _fill_numba.Outputs
 
   @property
@@ -178,34 +180,33 @@ class _Call:
     coo_per_sc: np.ndarray,
     unbounded: bool,
   ) -> _Call:
-    coo_offset = coo_input.splits_from_lengths(
+    coo = blocks_lib.Blocks.aligned(
       coo_per_sc * plan.num_sc_per_device * num_local
     )
     rp_dev = compute_row_pointers_size_per_device(
       plan.num_devices, plan.num_sc_per_device
     )
-    rp_offset = np.arange(len(plan.stacks) + 1, dtype=np.int64) * (
-      rp_dev * num_local
+    rp = blocks_lib.Blocks.aligned(
+      np.full(len(plan.stacks), rp_dev * num_local)
     )
     items = len(plan.stacks) * num_local * plan.num_sc_per_device
-    coo = int(coo_offset[-1])
-    order = np.empty(
-      int(order_lib.layout(plan, num_local).offsets[-1])
+    order = blocks_lib.aligned_empty(
+      order_lib.layout(plan, num_local).blocks.total
       if _writes_sample_order(plan, unbounded)
       else 0,
       np.int32,
     )
     out = _fill_numba.Outputs(
-      row_pointers=np.empty(int(rp_offset[-1]), np.int32),
-      embedding_ids=np.empty(coo, np.int32),
-      sample_ids=np.empty(coo, np.int32),
-      gains=np.empty(coo, np.float32),
+      row_pointers=rp.empty(np.int32),
+      embedding_ids=coo.empty(np.int32),
+      sample_ids=coo.empty(np.int32),
+      gains=coo.empty(np.float32),
       obs_ids=np.empty((items, plan.num_shards), np.int32),
       obs_unique=np.empty((items, plan.num_shards), np.int32),
       required=np.empty(items, np.int32),
       dropped=np.empty(items, np.int64),
       overflowed=np.empty(items, np.int64),
-      raw_ids=np.empty(coo if unbounded else 0, np.int32),
+      raw_ids=np.empty(coo.total if unbounded else 0, np.int32),
       order_rows=order,
       order_gains=order.view(np.float32),
       order_starts=np.zeros(items, np.int64),
@@ -219,8 +220,8 @@ class _Call:
       allow_id_dropping,
       coo_per_sc,
       unbounded,
-      coo_offset,
-      rp_offset,
+      coo,
+      rp,
       out,
     )
 
@@ -338,8 +339,8 @@ def _stack_arrays(
       stacks, lambda s: int(s.spec.stack_vocab_size - 1).bit_length()
     ),
     coo_per_sc=call.coo_per_sc,
-    coo_offset=call.coo_offset[:-1],
-    row_pointer_offset=call.row_pointer_offset[:-1],
+    coo_offset=call.coo.starts,
+    row_pointer_offset=call.row_pointers.starts,
     samples_per_sc=np.add.reduceat(rows_per_sc, first_feature[:-1]),
     weighted=np.logical_or.reduceat(feature_weighted, first_feature[:-1]),
   )
@@ -414,19 +415,19 @@ def check_call_limits(call: _Call) -> None:
 def per_stack(
   plan: plan_lib.Plan,
   flat: np.ndarray,
-  offsets: np.ndarray,
+  blocks: blocks_lib.Blocks,
   num_local: int,
   has_leading_dimension: bool,
 ) -> dict[str, np.ndarray]:
-  """Stack name -> its block `flat[offsets[t]:offsets[t + 1]]`, shaped
-  `[L, -1]` with a leading dimension."""
-  blocks = {}
+  """Stack name -> its block of `flat`, shaped `[L, -1]` with a leading
+  dimension."""
+  out = {}
   for t, stack in enumerate(plan.stacks):
-    block = flat[offsets[t] : offsets[t + 1]]
+    block = blocks.block(flat, t)
     if has_leading_dimension:
       block = block.reshape(num_local, -1)
-    blocks[stack.name] = block
-  return blocks
+    out[stack.name] = block
+  return out
 
 
 def stats_of(
@@ -461,9 +462,9 @@ def results(
   """Wraps the outputs per stack."""
   out = call.out
 
-  def blocks(flat: np.ndarray, offsets: np.ndarray) -> dict[str, Any]:
+  def blocks(flat: np.ndarray, where: blocks_lib.Blocks) -> dict[str, Any]:
     return per_stack(
-      call.plan, flat, offsets, call.num_local, has_leading_dimension
+      call.plan, flat, where, call.num_local, has_leading_dimension
     )
 
   order = None
@@ -477,13 +478,13 @@ def results(
       out.dropped,
     )
     order = blocks(
-      out.order_rows, order_lib.layout(call.plan, call.num_local).offsets
+      out.order_rows, order_lib.layout(call.plan, call.num_local).blocks
     )
   buffers = PreprocessedInput(
-    lhs_row_pointers=blocks(out.row_pointers, call.row_pointer_offset),
-    lhs_embedding_ids=blocks(out.embedding_ids, call.coo_offset),
-    lhs_sample_ids=blocks(out.sample_ids, call.coo_offset),
-    lhs_gains=blocks(out.gains, call.coo_offset),
+    lhs_row_pointers=blocks(out.row_pointers, call.row_pointers),
+    lhs_embedding_ids=blocks(out.embedding_ids, call.coo),
+    lhs_sample_ids=blocks(out.sample_ids, call.coo),
+    lhs_gains=blocks(out.gains, call.coo),
     sample_order=order,
   )
   return buffers, stats_of(call)

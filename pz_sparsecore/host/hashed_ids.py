@@ -35,6 +35,7 @@ home).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,7 @@ import numpy as np
 from pz_sparsecore.core import hashed
 from pz_sparsecore.core import plan as plan_lib
 from pz_sparsecore.host import _hashed_numba, ragged_input
+from pz_sparsecore.host import blocks as blocks_lib
 
 
 def _string_leaf(leaf: Any) -> Any:
@@ -171,7 +173,9 @@ def _prepare_stack(plan, stack, leaves, local: int) -> np.ndarray:
         f"{local} devices x {s} SparseCores take {want}"
       )
   first_row = np.concatenate([[0], np.cumsum(num_rows)])
-  keys = np.zeros((local * s, n, cap, hashed.KEY_WORDS), np.int32)
+  shape = (local * s, n, cap, hashed.KEY_WORDS)
+  keys = blocks_lib.aligned_empty(math.prod(shape), np.int32).reshape(shape)
+  keys[...] = 0
   keys[..., 2] = -1
   place = np.empty(len(values), np.int64)
   most = _hashed_numba.places(

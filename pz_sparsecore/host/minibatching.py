@@ -56,6 +56,7 @@ from pz_sparsecore.core import plan as plan_lib
 from pz_sparsecore.core.buffer_format import MAX_MINIBATCHES
 from pz_sparsecore.core.preprocessed import PreprocessedInput
 from pz_sparsecore.host import _minibatch_numba
+from pz_sparsecore.host import blocks as blocks_lib
 from pz_sparsecore.host import fill as fill_lib
 
 
@@ -181,7 +182,7 @@ def _first_pass(call: Any) -> _minibatch_numba.FirstPass:
   items_per_stack = call.num_local * s
   coo_start = np.concatenate(
     [
-      call.coo_offset[t] + np.arange(items_per_stack) * call.coo_per_sc[t]
+      call.coo.starts[t] + np.arange(items_per_stack) * call.coo_per_sc[t]
       for t in range(len(plan.stacks))
     ]
   ).astype(np.int64)
@@ -259,46 +260,52 @@ def _write(
   limits: np.ndarray,
   bounds: list[int],
   allow_id_dropping: bool,
-) -> tuple[_minibatch_numba.Output, dict[str, np.ndarray]]:
+) -> tuple[_minibatch_numba.Output, dict[str, blocks_lib.Blocks]]:
   plan, num_local = call.plan, call.num_local
   s, n = plan.num_sc_per_device, plan.num_shards
   rpp = buffer_format.row_pointers_per_sc(n)
   rp_dev = MAX_MINIBATCHES * s * rpp
   coo_dev = np.array([st.coo_per_device for st in plan.stacks], np.int64)
   pairs = len(plan.stacks) * num_local
+  blocks = {
+    "rp": blocks_lib.Blocks.aligned(
+      np.full(len(plan.stacks), rp_dev * num_local)
+    ),
+    "coo": blocks_lib.Blocks.aligned(coo_dev * num_local),
+  }
+  local = np.arange(num_local, dtype=np.int64)
+
+  def device_starts(where: blocks_lib.Blocks, per_device: Any) -> np.ndarray:
+    per_device = np.broadcast_to(per_device, where.starts.shape)
+    return (where.starts[:, None] + per_device[:, None] * local).reshape(-1)
+
   coo_size = np.repeat(coo_dev, num_local).astype(np.int64)
-  coo_start = np.concatenate([[0], np.cumsum(coo_size)[:-1]]).astype(np.int64)
   layout = _minibatch_numba.Layout(
     first_item=np.arange(pairs, dtype=np.int64) * s,
-    rp_start=np.arange(pairs, dtype=np.int64) * rp_dev,
-    coo_start=coo_start,
+    rp_start=device_starts(blocks["rp"], rp_dev),
+    coo_start=device_starts(blocks["coo"], coo_dev),
     coo_size=coo_size,
     limits=np.repeat(limits, num_local, axis=0),
     groups=np.array(bounds, np.int64),
   )
-  total = int(coo_size.sum())
   out = _minibatch_numba.Output(
-    row_pointers=np.empty(pairs * rp_dev, np.int32),
-    embedding_ids=np.empty(total, np.int32),
-    sample_ids=np.empty(total, np.int32),
-    gains=np.empty(total, np.float32),
+    row_pointers=blocks["rp"].empty(np.int32),
+    embedding_ids=blocks["coo"].empty(np.int32),
+    sample_ids=blocks["coo"].empty(np.int32),
+    gains=blocks["coo"].empty(np.float32),
     dropped=np.zeros(pairs, np.int64),
     overflowed=np.zeros(pairs, np.int64),
   )
   _minibatch_numba.write_minibatches(
     first, buckets, layout, s, n, rpp, allow_id_dropping, out
   )
-  offsets = {
-    "rp": np.arange(len(plan.stacks) + 1, dtype=np.int64) * rp_dev * num_local,
-    "coo": np.concatenate([[0], np.cumsum(coo_dev * num_local)]),
-  }
-  return out, offsets
+  return out, blocks
 
 
 def _wrap(
   call: Any,
   out: _minibatch_numba.Output,
-  offsets: dict[str, np.ndarray],
+  where: dict[str, blocks_lib.Blocks],
   num_minibatches: int,
   has_leading_dimension: bool,
 ) -> PreprocessedInput:
@@ -306,10 +313,11 @@ def _wrap(
 
   def blocks(flat: np.ndarray, key: str) -> dict[str, np.ndarray]:
     return fill_lib.per_stack(
-      plan, flat, offsets[key], num_local, has_leading_dimension
+      plan, flat, where[key], num_local, has_leading_dimension
     )
 
-  count = np.full(num_local, num_minibatches, np.int32)
+  count = blocks_lib.aligned_empty(num_local, np.int32)
+  count[:] = num_minibatches
   return PreprocessedInput(
     lhs_row_pointers=blocks(out.row_pointers, "rp"),
     lhs_embedding_ids=blocks(out.embedding_ids, "coo"),

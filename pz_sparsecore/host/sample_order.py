@@ -31,6 +31,7 @@ import functools
 import numpy as np
 
 from pz_sparsecore.core import plan as plan_lib
+from pz_sparsecore.host import blocks as blocks_lib
 
 
 def applies(plan: plan_lib.Plan) -> bool:
@@ -59,8 +60,8 @@ class Layout:
   devices, every stack).
 
   Attributes:
-    offsets: `[T + 1]`: stack `t`'s blocks are `[offsets[t], offsets[t +
-      1])`.
+    blocks: Stack `t`'s blocks (its `L` devices' one after the other),
+      aligned for `device_put` (`host.blocks`).
     devices: `[T, L]`: the first value (start 0) of each device's block.
     starts: `[T * L * S]`: per work item `(t, d, s)`, where its first
       output row's start goes.
@@ -69,7 +70,7 @@ class Layout:
     samples: `[T]`: the plan's samples per SparseCore.
   """
 
-  offsets: np.ndarray
+  blocks: blocks_lib.Blocks
   devices: np.ndarray
   starts: np.ndarray
   pairs: np.ndarray
@@ -82,14 +83,14 @@ def layout(plan: plan_lib.Plan, num_local: int) -> Layout:
   """The (cached) `Layout` of `plan`'s buffers for `num_local` devices."""
   num_sc = plan.num_sc_per_device
   per_device = np.array([values_per_device(plan, s) for s in plan.stacks])
-  offsets = np.concatenate([[0], np.cumsum(per_device * num_local)])
-  devices = offsets[:-1, None] + per_device[:, None] * np.arange(num_local)
+  blocks = blocks_lib.Blocks.aligned(per_device * num_local)
+  devices = blocks.starts[:, None] + per_device[:, None] * np.arange(num_local)
   samples = np.array([s.samples_per_sc for s in plan.stacks], np.int64)
   starts = (
     devices[:, :, None] + (samples[:, None] * np.arange(num_sc))[:, None, :]
   )
   return Layout(
-    offsets=offsets.astype(np.int64),
+    blocks=blocks,
     devices=devices.astype(np.int64),
     starts=starts.reshape(-1).astype(np.int64),
     pairs=(devices + num_sc * samples[:, None] + 1)[:, :, None],
