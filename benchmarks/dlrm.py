@@ -9,8 +9,10 @@ The model, written as a user would from the docs: 13 dense features into a
 bottom MLP (13 -> 64 -> 16), 26 categorical features each with its own
 16-wide table (four of 100,000 to 1,000,000 rows, 22 of 10 to 10,000; three
 multi-hot with 1 to 5 ids per sample, the rest one id), dot interactions
-between the 27 vectors, a top MLP (367 -> 64 -> 1), a logistic loss; both
-libraries start from the same MLP weights (`dense_init`). Tables
+between the 27 vectors (ours: ``pzsc.dot_interaction``; ``--interaction
+einsum``: einsum and fancy indexing, as TorchRec's is written), a top
+MLP (367 -> 64 -> 1), a logistic loss; both libraries start from the same
+MLP weights (`dense_init`). Tables
 learn with Adagrad (lr 0.05; ``--table-optimizer rowwise_adagrad``: exact
 row-wise Adagrad in both libraries), dense parameters with Adam (lr 1e-3). Ids
 follow Zipf(1.1) over a random permutation of each table's rows; labels
@@ -78,6 +80,12 @@ TABLE_DTYPE = "float32"
 # int64 ids: each row's id a fixed random int64), or "modulo" (range
 # tables fed those raw ids modulo V, as a user hashes by hand).
 IDS = "range"
+# Our model's interaction (`--interaction`): "library", the docs' way
+# (`pzsc.dot_interaction`), or "einsum" (`einsum` of the vectors with
+# themselves, then the upper triangle by fancy indexing, as TorchRec's
+# `InteractionArch` writes it in torch; XLA's autodiff then gives three
+# batched products and a scatter).
+INTERACTION = "library"
 DEVICES = 8
 
 
@@ -244,7 +252,10 @@ def run_ours(train, test, warmup: int) -> dict:
     vecs = jnp.stack(
       [x] + [acts[n].unwrap("batch", "embedding") for n in names], axis=1
     )
-    inter = jnp.einsum("bid,bjd->bij", vecs, vecs)[:, iu[0], iu[1]]
+    if INTERACTION == "library":
+      inter = pzsc.dot_interaction(vecs)
+    else:
+      inter = jnp.einsum("bid,bjd->bij", vecs, vecs)[:, iu[0], iu[1]]
     h = jax.nn.relu(linear("t1", jnp.concatenate([x, inter], 1)))
     return linear("t2", h)[:, 0]
 
@@ -496,6 +507,7 @@ LIBS = {
 
 def main() -> None:
   global REFRESH, PLACEMENT, TABLE_OPTIMIZER, TABLE_DTYPE, IDS, DEVICES
+  global INTERACTION
   parser = argparse.ArgumentParser()
   parser.add_argument(
     "--libs",
@@ -543,12 +555,20 @@ def main() -> None:
     choices=("float32", "bfloat16", "float16"),
     help="ours: how the tables' rows are stored (TorchRec's stay float32)",
   )
+  parser.add_argument(
+    "--interaction",
+    default=INTERACTION,
+    choices=("library", "einsum"),
+    help="ours: pzsc.dot_interaction (the docs' way) or einsum and fancy "
+    "indexing (TorchRec's InteractionArch written in jnp)",
+  )
   args = parser.parse_args()
   TABLE_DTYPE = args.table_dtype
   REFRESH = args.refresh or None
   PLACEMENT = args.placement
   TABLE_OPTIMIZER = args.table_optimizer
   IDS, DEVICES = args.ids, args.devices
+  INTERACTION = args.interaction
   if args.child:
     data = make_data(args.batches + args.test_batches)
     train, test = data[: args.batches], data[args.batches :]
@@ -567,7 +587,8 @@ def main() -> None:
   print(
     f"\n26-table DLRM, batch {BATCH}, {args.batches} training batches, "
     f"{args.test_batches} held out, tables {args.table_optimizer} (ours "
-    f"{args.table_dtype}, {args.devices} devices); load "
+    f"{args.table_dtype}, {args.devices} devices, interaction "
+    f"{args.interaction}); load "
     f"average {load:.1f}"
   )
   if any("error" in r for rs in runs.values() for r in rs):
@@ -589,6 +610,7 @@ def _child_run(who: str, args: argparse.Namespace) -> dict:
     "placement": args.placement,
     "table-optimizer": args.table_optimizer,
     "table-dtype": args.table_dtype,
+    "interaction": args.interaction,
   }
   command = [sys.executable, __file__]
   for key, value in options.items():

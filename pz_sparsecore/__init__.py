@@ -114,6 +114,7 @@ _EXPORTS = {
   "PeerError": "nn.checkpoint",
   "logical_tables": "nn.tables",
   "top_k": "nn.retrieval",
+  "dot_interaction": "nn.interaction",
   "logical_slots": "nn.tables",
   "set_logical_tables": "nn.tables",
   "set_logical_slots": "nn.tables",
