@@ -33,7 +33,7 @@ HASHED = DOCS / "hashed_tables.md"
 # Pages with Python blocks -> how many; each is run by a test below.
 RUN_HERE = {
   README: 1,
-  GETTING_STARTED: 3,
+  GETTING_STARTED: 4,
   CONCEPTS: 5,
   MULTIHOST: 2,
   GPU: 1,
@@ -77,6 +77,11 @@ def test_getting_started_then_concepts_run_top_to_bottom():
   losses = [float(a["loss"]) for a in auxes]
   # The second pass over the data (fit) learns the clicked rows.
   assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.1, losses
+  # The interactions: each pair's dot product, in triu_indices order.
+  vectors, pairs = map(np.asarray, (namespace["vectors"], namespace["pairs"]))
+  iu, ju = np.triu_indices(4, 1)
+  want = np.einsum("bkd,bkd->bk", vectors[:, iu], vectors[:, ju])
+  np.testing.assert_allclose(pairs, want, rtol=1e-5, atol=1e-6)
 
   limits_before = trainer.model.embed.config.plan.stacks[0]
   _run(CONCEPTS, namespace)

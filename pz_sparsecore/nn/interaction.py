@@ -15,8 +15,9 @@ scatter for the gather of the upper triangle. Here the cotangent of the
 pairs is laid out as a matrix `G` with pads and concatenations, and the
 gradient is one batched product `(G + G^T) v`. On the CPU (2 cores, batch
 2,048, 27 vectors of 16) the forward and gradient together took 2.7-2.9 ms
-against 6.8-10.9 ms for the einsum and gather, and the 26-table DLRM's
-step (docs/benchmarks.md) 4 ms less.
+against 6.5-10.9 ms for the einsum and gather, and the 26-table DLRM's
+step (docs/benchmarks.md) 8.5 ms instead of 13.6 on one device, 13.7
+instead of 16.6 on 8.
 
 The forward computes the full `[n, n]` product, then concatenates the
 upper triangle's rows (slices, no gather). Forward-mode differentiation
