@@ -52,7 +52,8 @@ NEWEST_TESTS := tests/test_programs.py tests/test_lookup.py \
 	tests/test_compat_lowering.py tests/test_spec_proto.py \
 	tests/test_bad_input.py tests/test_table_dtypes_layer.py \
 	tests/test_hashed_map.py tests/test_hashed_tables.py \
-	tests/test_hashed_lookup.py tests/test_any_batch.py
+	tests/test_hashed_lookup.py tests/test_any_batch.py \
+	tests/test_interaction.py tests/test_buffer_alignment.py
 
 $(STAMP_NEWEST): $(SOURCES) constraints-newest.txt
 	test -x $(PY_NEWEST) || $(PYTHON_NEWEST) -m venv $(VENV_NEWEST)
