@@ -87,3 +87,75 @@ def test_the_users_wait_policy_is_kept():
   assert out["policy"] == "ACTIVE"
   # ACTIVE workers spin through the whole sleep.
   assert min(out["burnt_ms"]) > 50.0, out
+
+
+_CONCURRENT = """
+import threading
+import jax, numpy as np, numba
+import pz_sparsecore as pzsc
+from pz_sparsecore.core import specs
+
+def prepared(limit):
+  table = specs.TableSpec(
+    name="t", vocabulary_size=5_000, embedding_dim=8,
+    initializer=jax.nn.initializers.normal(1.0),
+    optimizer=specs.SGDOptimizerSpec(learning_rate=0.1), combiner="sum",
+    max_ids_per_partition=limit, max_unique_ids_per_partition=limit,
+  )
+  feature = specs.FeatureSpec(
+    name="f", table_spec=table, input_shape=(512, 4), output_shape=(512, 8)
+  )
+  return pzsc.prepare_feature_specs_for_training(
+    {"f": feature}, global_device_count=2, num_sc_per_device=2
+  )
+
+# Minibatching splits under limits of 64; the plain fill has room.
+specs_of = {True: prepared(64), False: prepared(4096)}
+rng = np.random.default_rng(0)
+batches = [rng.integers(0, 5_000, (512, 4)) for i in range(8)]
+
+def preprocess(ids, minibatching):
+  inputs, _ = pzsc.preprocess_sparse_dense_matmul_input(
+    {"f": ids}, None, specs_of[minibatching], 2, 2, num_sc_per_device=2,
+    enable_minibatching=minibatching,
+  )
+  return inputs
+
+want = {}
+for i, b in enumerate(batches):
+  for m in (False, True):
+    want[i, m] = preprocess(b, m)
+assert int(np.asarray(want[0, True].num_minibatches).max()) > 1
+got, errors = {}, []
+
+def worker(t):
+  try:
+    for rep in range(3):
+      for i, b in enumerate(batches):
+        m = (i + t + rep) % 2 == 1
+        got[t, rep, i] = (m, preprocess(b, m))
+  except Exception as e:  # A failure names itself below.
+    errors.append(repr(e))
+
+threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+for t in threads:
+  t.start()
+for t in threads:
+  t.join()
+assert not errors, errors
+for (t, rep, i), (m, inputs) in got.items():
+  leaves = zip(jax.tree.leaves(inputs), jax.tree.leaves(want[i, m]))
+  for a, b in leaves:
+    np.testing.assert_array_equal(a, b)
+print(numba.threading_layer(), len(got))
+"""
+
+
+def test_concurrent_preprocessing_on_numbas_workqueue_layer():
+  """Four threads preprocess at once, with and without minibatching, on
+  numba's fallback layer (workqueue), which aborts the process on parallel
+  regions launched concurrently: every kernel launch takes the kernel
+  lock, and every result equals the one preprocessed alone."""
+  env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue", JAX_PLATFORMS="cpu")
+  out = fresh_process.run(_CONCURRENT, env).split()
+  assert out == ["workqueue", str(4 * 3 * 8)]

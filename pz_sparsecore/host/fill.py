@@ -111,10 +111,18 @@ def fill(
     _scalars(call),
     call.out,
   )
+  run_parallel(_fill_numba.fill_buffers, *args)
+  return call
+
+
+def run_parallel(kernel: Callable[..., Any], *args: Any) -> Any:
+  """Runs a parallel numba kernel of the host stage: one at a time in the
+  process (`_KERNEL_LOCK`; numba's workqueue layer, its fallback, aborts the
+  process on parallel regions launched from two threads at once), numba's
+  threads started by `_launch_threads`."""
   with _KERNEL_LOCK:
     _launch_threads()
-    _fill_numba.fill_buffers(*args)
-  return call
+    return kernel(*args)
 
 
 @functools.cache

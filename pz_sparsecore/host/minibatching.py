@@ -217,8 +217,14 @@ def _count(
   item_stack = np.repeat(
     np.arange(len(plan.stacks), dtype=np.int64), items // len(plan.stacks)
   )
-  _minibatch_numba.count_buckets(
-    first, item_stack, n, use_buckets, limits, buckets
+  fill_lib.run_parallel(
+    _minibatch_numba.count_buckets,
+    first,
+    item_stack,
+    n,
+    use_buckets,
+    limits,
+    buckets,
   )
   return buckets
 
@@ -296,8 +302,16 @@ def _write(
     dropped=np.zeros(pairs, np.int64),
     overflowed=np.zeros(pairs, np.int64),
   )
-  _minibatch_numba.write_minibatches(
-    first, buckets, layout, s, n, rpp, allow_id_dropping, out
+  fill_lib.run_parallel(
+    _minibatch_numba.write_minibatches,
+    first,
+    buckets,
+    layout,
+    s,
+    n,
+    rpp,
+    allow_id_dropping,
+    out,
   )
   return out, blocks
 
