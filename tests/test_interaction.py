@@ -139,5 +139,7 @@ def test_bad_shapes_are_value_errors_and_the_next_call_works():
     pzsc.dot_interaction(np.ones(5, np.float32))
   with pytest.raises(ValueError, match=r"positional shape \(2, 3, 4\)"):
     pzsc.dot_interaction(pz.nx.wrap(np.ones((2, 3, 4), np.float32)))
+  with pytest.raises(ValueError, match=r"positional shape \(\)"):
+    pzsc.dot_interaction(pz.nx.wrap(np.ones((3, 4), np.float32)).tag("n", "d"))
   out = pzsc.dot_interaction(np.ones((2, 3, 4), np.float32))
   np.testing.assert_array_equal(np.asarray(out), np.full((2, 3), 4.0))

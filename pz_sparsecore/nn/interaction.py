@@ -54,7 +54,7 @@ def dot_interaction(vectors: Any, *, self_interaction: bool = False) -> Any:
     ValueError: `vectors` has fewer than two (positional) axes.
   """
   if isinstance(vectors, pz.nx.NamedArrayBase):
-    if vectors.positional_shape and len(vectors.positional_shape) != 2:
+    if len(vectors.positional_shape) != 2:
       raise ValueError(
         "dot_interaction: a NamedArray's positional axes must be [n, d]; "
         f"got positional shape {vectors.positional_shape} (untag the vector "
