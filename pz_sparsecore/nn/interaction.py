@@ -9,15 +9,15 @@ vectors (the bottom MLP's output and one embedding per feature)::
 
 It equals the usual `jnp.einsum("bid,bjd->bij", v, v)[:, iu, ju]` with
 `iu, ju = np.triu_indices(n, 1)` (TorchRec's `InteractionArch` order), but
-its gradient is built for XLA's CPU and GPU compilers: written that way,
-autodiff gives two batched products (one per operand of the einsum) and a
-scatter for the gather of the upper triangle. Here the cotangent of the
+with a gradient of its own: written that way, autodiff gives two batched
+products (one per operand of the einsum) and a scatter for the gather of
+the upper triangle. Here the cotangent of the
 pairs is laid out as a matrix `G` with pads and concatenations, and the
 gradient is one batched product `(G + G^T) v`. On the CPU (2 cores, batch
 2,048, 27 vectors of 16) the forward and gradient together took 2.7-2.9 ms
 against 6.5-10.9 ms for the einsum and gather, and the 26-table DLRM's
 step (docs/benchmarks.md) 8.5 ms instead of 13.6 on one device, 13.7
-instead of 16.6 on 8.
+instead of 16.6 on 8. (Not measured on a GPU.)
 
 The forward computes the full `[n, n]` product, then concatenates the
 upper triangle's rows (slices, no gather). Forward-mode differentiation
@@ -51,7 +51,8 @@ def dot_interaction(vectors: Any, *, self_interaction: bool = False) -> Any:
     positional axis, the pairs.
 
   Raises:
-    ValueError: `vectors` has fewer than two (positional) axes.
+    ValueError: An array with fewer than two axes, or a `NamedArray` whose
+      positional axes are not two.
   """
   if isinstance(vectors, pz.nx.NamedArrayBase):
     if len(vectors.positional_shape) != 2:
