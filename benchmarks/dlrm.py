@@ -651,11 +651,13 @@ def _print_table(libs: list[str], runs: dict[str, list[dict]]) -> None:
   repeat = len(runs[a])
   if repeat > 1:
     print(f"(medians of {repeat} alternated runs of each)")
-  print(f"{'':32} {a:>12} {b:>12} {a + '/' + b:>26}")
+  width = max(len(label) for label, *_ in _ROWS)
+  print(f"{'':{width}} {a:>12} {b:>12} {a + '/' + b:>26}")
   for label, key, fmt, ratio in _ROWS:
     r = f"{o[key] / t[key]:.2f}" if ratio and t[key] else ""
     print(
-      f"{label:32} {fmt.format(o[key]):>12} {fmt.format(t[key]):>12} {r:>26}"
+      f"{label:{width}} {fmt.format(o[key]):>12} {fmt.format(t[key]):>12} "
+      f"{r:>26}"
     )
   if repeat > 1:
     pairs = [

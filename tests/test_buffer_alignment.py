@@ -54,24 +54,7 @@ def _batch(features, seed):
   }, {name: None for name in features}
 
 
-def _leaves(inputs):
-  return [
-    x for x in jax.tree.leaves(inputs) if isinstance(x, np.ndarray) and x.size
-  ]
-
-
-@pytest.mark.parametrize(
-  "devices, num_sc, minibatching",
-  [(1, 1, False), (1, 2, False), (4, 1, False), (2, 2, True)],
-)
-def test_every_block_is_aligned_and_device_put_shares_it(
-  devices, num_sc, minibatching
-):
-  features = _features()
-  prepared = pzsc.prepare_feature_specs_for_training(
-    features, global_device_count=devices, num_sc_per_device=num_sc
-  )
-  ids, weights = _batch(features, devices + num_sc)
+def _preprocess(prepared, ids, weights, devices, num_sc, minibatching):
   inputs, _ = pzsc.preprocess_sparse_dense_matmul_input(
     ids,
     weights,
@@ -81,6 +64,37 @@ def test_every_block_is_aligned_and_device_put_shares_it(
     num_sc_per_device=num_sc,
     enable_minibatching=minibatching,
   )
+  return inputs
+
+
+def _entries(inputs, name):
+  """A stack's (row, sample, gain) entries, padding left out, sorted."""
+  rows = np.asarray(inputs.lhs_embedding_ids[name]).reshape(-1)
+  samples = np.asarray(inputs.lhs_sample_ids[name]).reshape(-1)
+  gains = np.asarray(inputs.lhs_gains[name]).reshape(-1)
+  real = rows != pzsc.PAD_ID
+  return sorted(zip(rows[real], samples[real], gains[real], strict=True))
+
+
+def _leaves(inputs):
+  return [
+    x for x in jax.tree.leaves(inputs) if isinstance(x, np.ndarray) and x.size
+  ]
+
+
+@pytest.mark.parametrize(
+  "devices, num_sc, minibatching",
+  [(1, 1, False), (1, 2, False), (4, 1, False), (1, 1, True), (2, 2, True)],
+)
+def test_every_block_is_aligned_and_device_put_shares_it(
+  devices, num_sc, minibatching
+):
+  features = _features()
+  prepared = pzsc.prepare_feature_specs_for_training(
+    features, global_device_count=devices, num_sc_per_device=num_sc
+  )
+  ids, weights = _batch(features, devices + num_sc)
+  inputs = _preprocess(prepared, ids, weights, devices, num_sc, minibatching)
   leaves = _leaves(inputs)
   assert (inputs.sample_order is not None) == (
     devices == 1 and not minibatching
@@ -95,6 +109,24 @@ def test_every_block_is_aligned_and_device_put_shares_it(
     np.testing.assert_array_equal(np.asarray(placed), x)
 
 
+@pytest.mark.parametrize("devices, num_sc", [(1, 1), (1, 2), (2, 2)])
+def test_minibatched_stacks_hold_the_fills_entries(devices, num_sc):
+  """Minibatching reads the fill's buffers of every stack where the fill
+  wrote them (aligned blocks, row pointers included): within the limits,
+  one minibatch of each stack holds the plain fill's entries."""
+  features = _features()
+  prepared = pzsc.prepare_feature_specs_for_training(
+    features, global_device_count=devices, num_sc_per_device=num_sc
+  )
+  ids, weights = _batch(features, 7)
+  plain = _preprocess(prepared, ids, weights, devices, num_sc, False)
+  split = _preprocess(prepared, ids, weights, devices, num_sc, True)
+  assert np.asarray(split.num_minibatches).max() == 1
+  assert len(plain.lhs_embedding_ids) == 3
+  for name in plain.lhs_embedding_ids:
+    assert _entries(split, name) == _entries(plain, name), name
+
+
 def test_blocks_start_aligned_and_hold_their_sizes():
   blocks = blocks_lib.Blocks.aligned(np.array([5, 16, 0, 17, 1]))
   np.testing.assert_array_equal(blocks.starts, [0, 16, 32, 32, 64])
@@ -107,4 +139,10 @@ def test_blocks_start_aligned_and_hold_their_sizes():
     assert block.shape == (size,)
     assert block.ctypes.data % 64 == 0 or size == 0
     np.testing.assert_array_equal(block, np.arange(size) + blocks.starts[t])
+  np.testing.assert_array_equal(
+    blocks.parts(np.array([2, 8, 0, 8, 1]), 2),
+    [[0, 2], [16, 24], [32, 32], [32, 40], [64, 65]],
+  )
   assert blocks_lib.Blocks.aligned(np.zeros(0, np.int64)).total == 0
+  grid = blocks_lib.aligned_empty((3, 5), np.int32)
+  assert grid.shape == (3, 5) and grid.ctypes.data % 64 == 0

@@ -14,6 +14,8 @@ CPU devices took 2.1-2.6 ms instead of 3.0-4.3 ms (docs/benchmarks.md).
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Any
 
 import numpy as np
 
@@ -53,16 +55,23 @@ class Blocks:
     that starts at a multiple of 64 bytes."""
     return aligned_empty(self.total, dtype)
 
+  def parts(self, size: Any, count: int) -> np.ndarray:
+    """int64 `[T, count]`: where each of `count` consecutive parts of
+    `size` values (one size, or one per block) starts in each block."""
+    size = np.broadcast_to(np.asarray(size, np.int64), self.starts.shape)
+    return self.starts[:, None] + size[:, None] * np.arange(count)
+
   def block(self, flat: np.ndarray, t: int) -> np.ndarray:
     """Stack `t`'s block of `flat`."""
     start = int(self.starts[t])
     return flat[start : start + int(self.sizes[t])]
 
 
-def aligned_empty(n: int, dtype: np.dtype) -> np.ndarray:
-  """An uninitialized 1-D array of `n` `dtype` values that starts at a
+def aligned_empty(shape: int | tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+  """An uninitialized C-ordered `dtype` array of `shape` that starts at a
   multiple of `ALIGN_BYTES`."""
   dtype = np.dtype(dtype)
-  raw = np.empty(n * dtype.itemsize + ALIGN_BYTES, np.uint8)
+  size = math.prod(np.atleast_1d(shape)) * dtype.itemsize
+  raw = np.empty(size + ALIGN_BYTES, np.uint8)
   skip = -raw.ctypes.data % ALIGN_BYTES
-  return raw[skip : skip + n * dtype.itemsize].view(dtype)
+  return raw[skip : skip + size].view(dtype).reshape(shape)

@@ -35,7 +35,6 @@ home).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -173,8 +172,9 @@ def _prepare_stack(plan, stack, leaves, local: int) -> np.ndarray:
         f"{local} devices x {s} SparseCores take {want}"
       )
   first_row = np.concatenate([[0], np.cumsum(num_rows)])
-  shape = (local * s, n, cap, hashed.KEY_WORDS)
-  keys = blocks_lib.aligned_empty(math.prod(shape), np.int32).reshape(shape)
+  keys = blocks_lib.aligned_empty(
+    (local * s, n, cap, hashed.KEY_WORDS), np.int32
+  )
   keys[...] = 0
   keys[..., 2] = -1
   place = np.empty(len(values), np.int64)

@@ -180,13 +180,9 @@ def _first_pass(call: Any) -> _minibatch_numba.FirstPass:
     buffer_format.row_pointers_per_sc(plan.num_shards),
   )
   items_per_stack = call.num_local * s
-  coo_start = np.concatenate(
-    [
-      call.coo.starts[t] + np.arange(items_per_stack) * call.coo_per_sc[t]
-      for t in range(len(plan.stacks))
-    ]
-  ).astype(np.int64)
-  rp_start = np.arange(len(coo_start), dtype=np.int64) * rpp
+  # The fill's blocks: stack t's items one after the other from its start.
+  coo_start = call.coo.parts(call.coo_per_sc, items_per_stack).reshape(-1)
+  rp_start = call.row_pointers.parts(rpp, items_per_stack).reshape(-1)
   out = call.out
   return _minibatch_numba.FirstPass(
     row_pointers=out.row_pointers,
@@ -279,17 +275,11 @@ def _write(
     ),
     "coo": blocks_lib.Blocks.aligned(coo_dev * num_local),
   }
-  local = np.arange(num_local, dtype=np.int64)
-
-  def device_starts(where: blocks_lib.Blocks, per_device: Any) -> np.ndarray:
-    per_device = np.broadcast_to(per_device, where.starts.shape)
-    return (where.starts[:, None] + per_device[:, None] * local).reshape(-1)
-
   coo_size = np.repeat(coo_dev, num_local).astype(np.int64)
   layout = _minibatch_numba.Layout(
     first_item=np.arange(pairs, dtype=np.int64) * s,
-    rp_start=device_starts(blocks["rp"], rp_dev),
-    coo_start=device_starts(blocks["coo"], coo_dev),
+    rp_start=blocks["rp"].parts(rp_dev, num_local).reshape(-1),
+    coo_start=blocks["coo"].parts(coo_dev, num_local).reshape(-1),
     coo_size=coo_size,
     limits=np.repeat(limits, num_local, axis=0),
     groups=np.array(bounds, np.int64),

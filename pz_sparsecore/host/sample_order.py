@@ -84,7 +84,7 @@ def layout(plan: plan_lib.Plan, num_local: int) -> Layout:
   num_sc = plan.num_sc_per_device
   per_device = np.array([values_per_device(plan, s) for s in plan.stacks])
   blocks = blocks_lib.Blocks.aligned(per_device * num_local)
-  devices = blocks.starts[:, None] + per_device[:, None] * np.arange(num_local)
+  devices = blocks.parts(per_device, num_local)
   samples = np.array([s.samples_per_sc for s in plan.stacks], np.int64)
   starts = (
     devices[:, :, None] + (samples[:, None] * np.arange(num_sc))[:, None, :]

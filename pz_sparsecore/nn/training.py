@@ -101,6 +101,15 @@ class NonFiniteInputError(NonFiniteUpdateError):
   a NaN or infinity."""
 
 
+_INPUT = "input "
+"""The prefix of an input's flag among the step's finite flags."""
+
+
+def _inputs_of(finite: dict[str, Any]) -> dict[str, Any]:
+  """The inputs' flags among a step's finite flags (`_input_flags`)."""
+  return {k: v for k, v in finite.items() if k.startswith(_INPUT)}
+
+
 def _input_flags(kwargs: dict[str, Any]) -> dict[str, jax.Array]:
   """`"input <path>"` → whether that float array of `kwargs` is finite.
 
@@ -115,7 +124,7 @@ def _input_flags(kwargs: dict[str, Any]) -> dict[str, jax.Array]:
       continue
     if jnp.issubdtype(leaf.dtype, jnp.inexact):
       name = jax.tree_util.keystr(path).removesuffix(".data_array")
-      flags[f"input {name}"] = _all_finite(leaf)
+      flags[_INPUT + name] = _all_finite(leaf)
   return flags
 
 
@@ -355,7 +364,7 @@ def _updates(
 def _data_flow_rank(name: str) -> int:
   """Where a flag of `_finite_flags` / `_undone_unless_finite` sits in the
   step's data flow (the step's output dict comes back in sorted order)."""
-  if name.startswith("input "):
+  if name.startswith(_INPUT):
     return 0
   if name == "loss":
     return 1
@@ -559,7 +568,7 @@ def _done_marker(steps: jax.Array, finite: dict[str, jax.Array]) -> jax.Array:
   the next step, unlike the step counter): the steps taken, negated when
   an input was not finite, so that waiting reads one scalar and the
   per-input flags only when one failed."""
-  inputs = [ok for name, ok in finite.items() if name.startswith("input ")]
+  inputs = list(_inputs_of(finite).values())
   ok = jnp.all(jnp.stack(inputs)) if inputs else True
   return jnp.where(ok, steps, -steps)
 
@@ -924,8 +933,8 @@ class SparseCoreTrainer(pz.Struct):
         continue  # `step` reads this step's flags itself.
       steps = int(done)
       if steps < 0:  # `_done_marker`: an input was not finite.
-        inputs = {k: v for k, v in finite.items() if k.startswith("input ")}
-        bad = [k for k, ok in jax.device_get(inputs).items() if not bool(ok)]
+        inputs = jax.device_get(_inputs_of(finite))
+        bad = [k for k, ok in inputs.items() if not bool(ok)]
         raise NonFiniteInputError(
           f"step {-steps - 1}: non-finite values in {', '.join(bad)}; "
           "the step ran with them (its loss and updates are not finite: "
